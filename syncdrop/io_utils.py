@@ -1,0 +1,63 @@
+"""Atomic file writes and provenance for result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def git_commit() -> str | None:
+    """Commit of the syncdrop checkout (suffixed ``-dirty`` when it has local changes), if any."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance() -> dict[str, Any]:
+    """Command, commit and machine facts stored in every result file."""
+    import torch
+
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.system()} cpus={os.cpu_count()}",
+        "threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,1 @@
+"""Model families (config + canonical weight names) and checkpoint loading."""

@@ -1,0 +1,145 @@
+"""The one transformer-block implementation, shared by both executors.
+
+Activations carry an explicit *rank axis*: the residual stream is ``(R, M, h)`` with ``M = B*S``
+tokens and ``R = 1`` when every rank holds the same values (after a sync point) or ``R`` = number
+of local ranks when ranks differ (inside an SPD block, or after a diverging ablation). Partial
+outputs of row-parallel layers are ``(R, M, h)``; ``comm.all_reduce`` sums them over *all* N ranks
+and returns ``(1, M, h)``. The simulated executor holds all N ranks (R = N) and sums in-process;
+the distributed runtime holds one (R = 1) and calls ``torch.distributed``. The block never knows
+which.
+
+Block math (papers.md §1-2; P_r = bias-free o_proj partial of rank r, Z_r = bias-free MLP partial):
+
+``full``:  X' = X + AllReduce(P_r) + b_o;  X_out = X' + AllReduce(MLP_r(norm(X'))) + b_down
+``drop``:  H_r = X + P_r + b_o;  Z_r = MLP_r(norm(H_r));  X_out = X + AllReduce(P_r + Z_r) + b_o + b_down
+and the ablations ``naive``, ``desync``, ``bias-in-sum`` documented in :mod:`syncdrop.plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from syncdrop.models.config import ModelConfig
+from syncdrop.models.rope import apply_rope
+from syncdrop.parallel.weights import BlockWeights, LocalGeometry
+
+
+class Communicator(Protocol):
+    """Sums rank partials over all N tensor-parallel ranks."""
+
+    tp: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``(R_local, M, h)`` partials -> ``(1, M, h)`` sum over all N ranks."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward constants: batch geometry and RoPE tables ``(S, d)`` (None for OPT)."""
+
+    batch: int
+    seq: int
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: ModelConfig) -> torch.Tensor:
+    """RMSNorm (in fp32, as transformers does) or LayerNorm over the last axis."""
+    if cfg.norm == "layer":
+        return F.layer_norm(x, (x.shape[-1],), w, b, cfg.norm_eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    return w * xf.to(x.dtype)
+
+
+def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r: int) -> torch.Tensor:
+    """Column-parallel ``Y_r = X_r A_r + b_r`` for R ranks, A split along its output dimension.
+
+    ``x``: ``(1 or R, M, h)``; ``w``: ``(h, R*out)``; returns ``(M, R, out)`` (maybe a strided view).
+    A replicated input (rank axis 1) costs one dense GEMM against all ranks' columns at once.
+    """
+    if x.shape[0] == 1:
+        y = x[0] @ w  # (M, R*out)
+        if b is not None:
+            y = y + b
+        return y.view(y.shape[0], r, -1)  # (M, R, out)
+    out = w.shape[1] // r
+    y = torch.bmm(x, w.view(w.shape[0], r, out).transpose(0, 1))  # (R, M, out)
+    if b is not None:
+        y = y + b.view(r, 1, out)
+    return y.transpose(0, 1)  # (M, R, out)
+
+
+def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Row-parallel partial ``P_r = X_r A_r`` (A split along its input dimension), no bias, no sum.
+
+    ``x``: ``(M, R, in)``; ``w``: ``(R, in, h)``; returns partials ``(R, M, h)``.
+    """
+    return torch.bmm(x.transpose(0, 1), w)
+
+
+def attention_partial(
+    xn: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, ctx: ForwardContext
+) -> torch.Tensor:
+    """Causal self-attention of each rank's heads; returns o_proj partials ``(R, M, h)``, bias-free."""
+    B, S, d, R, Q, K = ctx.batch, ctx.seq, geo.head_dim, geo.r, geo.q, geo.kv
+    qkv = column_linear(xn, w.qkv_w, w.qkv_b, R)  # (M, R, (Q+2K)*d)
+    q, k, v = qkv.split([Q * d, K * d, K * d], dim=-1)
+    q = q.reshape(B, S, R * Q, d).transpose(1, 2)  # (B, R*Q, S, d): rank-major head axis
+    k = k.reshape(B, S, R * K, d).transpose(1, 2)  # (B, R*K, S, d)
+    v = v.reshape(B, S, R * K, d).transpose(1, 2)
+    if ctx.cos is not None:
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    gqa = Q != K
+    if geo.kv_map is not None:  # irregular q->kv map (uneven split / replicated KV heads)
+        k, v, gqa = k.index_select(1, geo.kv_map), v.index_select(1, geo.kv_map), False
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, R*Q, S, d)
+    o = o.transpose(1, 2).reshape(B * S, R, Q * d)  # (M, R, Q*d)
+    return row_linear(o, w.o_w)
+
+
+def mlp_partial(xn: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig) -> torch.Tensor:
+    """Each rank's MLP slice: SwiGLU ``down(silu(gate) * up)`` or ``down(act(up + b))``; ``(R, M, h)``."""
+    y = column_linear(xn, w.up_w, w.up_b, geo.r)  # (M, R, G*F)
+    if cfg.gated_mlp:
+        g, u = y.split([geo.ffn, geo.ffn], dim=-1)
+        a = F.silu(g) * u
+    else:
+        a = ACTIVATIONS[cfg.act](y)
+    return row_linear(a, w.down_w)
+
+
+ACTIVATIONS = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu,
+               "gelu_new": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x if b is None else x + b
+
+
+def block_forward(
+    x: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, comm: Communicator,
+    ctx: ForwardContext, attn_mode: str = "full",
+) -> torch.Tensor:
+    """One block under the given attention sync mode; ``x``: ``(1 or R, M, h)`` -> same form."""
+    p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx)  # (R, M, h)
+    if attn_mode == "full":
+        x1 = _add(x + comm.all_reduce(p), w.o_b)
+        z = mlp_partial(norm(x1, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
+        return _add(x1 + comm.all_reduce(z), w.down_b)
+    h = _add(x + p, w.o_b)  # (R, M, h): each rank's MLP sees only its own heads
+    z = mlp_partial(norm(h, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
+    if attn_mode == "drop":
+        return _add(_add(x + comm.all_reduce(p + z), w.o_b), w.down_b)
+    if attn_mode == "naive":
+        return _add(h + comm.all_reduce(z), w.down_b)
+    if attn_mode == "desync":
+        return _add(comm.all_reduce(z + h / comm.tp), w.down_b)
+    if attn_mode == "bias-in-sum":
+        return x + comm.all_reduce(_add(_add(p, w.o_b) + z, w.down_b))
+    raise ValueError(f"unknown attention sync mode {attn_mode!r}")

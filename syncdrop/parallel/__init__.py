@@ -1,0 +1,1 @@
+"""Tensor parallelism: which slice each rank owns, communicators, executors."""

@@ -1,0 +1,108 @@
+"""Tensor-parallel model execution over R local ranks with a per-block sync plan.
+
+:class:`TPModel` holds the replicated parts (embeddings, final norm, LM head) and each block's
+per-rank weights, and runs :func:`syncdrop.models.block.block_forward` block by block. With a
+:class:`SimulatedComm` and all N ranks local it is the exact single-process simulation used for
+accuracy work; the distributed runtime uses the same class with one local rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from syncdrop.errors import SyncdropError
+from syncdrop.models.block import Communicator, ForwardContext, block_forward, norm
+from syncdrop.models.config import ModelConfig
+from syncdrop.models.rope import inv_frequencies, rope_tables
+from syncdrop.parallel.comm import SimulatedComm
+from syncdrop.parallel.sharding import ShardLayout
+from syncdrop.parallel.weights import BlockWeights, TensorGetter, block_weights, local_geometry
+from syncdrop.plan import SyncPlan
+
+
+class TPModel:
+    """A decoder-only LM split over ``layout.tp`` ranks, of which ``ranks`` are held here."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        get: TensorGetter,
+        layout: ShardLayout,
+        comm: Communicator,
+        plan: SyncPlan | None = None,
+        ranks: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        progress: bool = False,
+    ) -> None:
+        self.cfg, self.layout, self.comm, self.dtype = cfg, layout, comm, dtype
+        self.geo = local_geometry(cfg, layout, ranks if ranks is not None else range(layout.tp))
+        self.plan = plan or SyncPlan.uniform(cfg.num_layers)
+        self.embed = get("embed").to(dtype)
+        self.pos_embed = get("pos_embed").to(dtype) if cfg.family == "opt" else None
+        self.final_norm_w = get("final_norm.weight").to(dtype)
+        self.final_norm_b = get("final_norm.bias").to(dtype) if cfg.norm == "layer" else None
+        self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head").to(dtype)
+        self.inv_freq = inv_frequencies(cfg) if cfg.uses_rope else None
+        layers = range(cfg.num_layers)
+        if progress:
+            from tqdm import tqdm
+
+            layers = tqdm(layers, desc="sharding blocks", unit="block", leave=False)
+        self.blocks: list[BlockWeights] = [block_weights(get, cfg, self.geo, layout, i, dtype) for i in layers]
+
+    @property
+    def plan(self) -> SyncPlan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: SyncPlan) -> None:
+        if plan.num_blocks != self.cfg.num_layers:
+            raise SyncdropError(f"plan has {plan.num_blocks} blocks but the model has {self.cfg.num_layers}")
+        self._plan = plan
+
+    def _context(self, batch: int, seq: int) -> ForwardContext:
+        if self.cfg.sliding_window is not None and seq > self.cfg.sliding_window:
+            raise SyncdropError(
+                f"sequence length {seq} exceeds the model's sliding window {self.cfg.sliding_window}, "
+                "which syncdrop does not implement; use a shorter --seq-len"
+            )
+        if self.cfg.family == "opt" and seq > self.cfg.max_positions:
+            raise SyncdropError(f"sequence length {seq} exceeds the model's {self.cfg.max_positions} positions")
+        cos = sin = None
+        if self.inv_freq is not None:
+            cos, sin = rope_tables(self.inv_freq, torch.arange(seq), self.dtype)
+        return ForwardContext(batch, seq, cos, sin)
+
+    @torch.inference_mode()
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states ``(B, S, h)`` as rank 0 sees them, for token ids ``(B, S)``."""
+        B, S = ids.shape
+        ctx = self._context(B, S)
+        x = self.embed[ids]  # (B, S, h)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[torch.arange(S) + self.cfg.pos_offset]
+        x = x.reshape(1, B * S, -1)  # (1, M, h): replicated on every rank
+        for w, sync in zip(self.blocks, self.plan.blocks, strict=True):
+            x = block_forward(x, w, self.geo, self.cfg, self.comm, ctx, sync.attn)
+        x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
+        return x.view(B, S, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., h)`` -> ``(..., V)`` with the (replicated) LM head."""
+        return hidden @ self.lm_head.t()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, S, V)``."""
+        with torch.inference_mode():
+            return self.logits(self.hidden_states(ids))
+
+
+def simulated_model(
+    cfg: ModelConfig, get: TensorGetter, tp: int, plan: SyncPlan | None = None,
+    dtype: torch.dtype = torch.float32, layout: ShardLayout | None = None, progress: bool = False,
+) -> TPModel:
+    """All ``tp`` ranks in this process (exact simulation)."""
+    layout = layout or ShardLayout.build(cfg, tp)
+    return TPModel(cfg, get, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress)

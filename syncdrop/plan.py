@@ -1,0 +1,170 @@
+"""The sync plan: which sync points each transformer block keeps. It is data, not code.
+
+A plan is a list with one entry per block, ``{"attn": MODE, "mlp": "full"}``. Attention modes:
+
+``full``        the standard block (papers.md §1): all-reduce after attention and after the MLP.
+``drop``        the SPD block (papers.md §2): no attention all-reduce; each rank's MLP reads
+                ``X + A_r``; the attention partials ride in the MLP all-reduce:
+                ``X_out = X + AllReduce(A_r + Z_r) + b_o + b_down``.
+``naive``       ablation: attention partial kept local, never summed:
+                ``X_out_r = X + A_r + b_o + AllReduce(Z_r) + b_down`` (ranks diverge).
+``desync``      ablation (Ladder-Residual's code): ``X_out = AllReduce(Z_r + (X + A_r + b_o)/N) + b_down``
+                ``= X + (sum_r A_r)/N + b_o + sum_r Z_r + b_down``.
+``bias-in-sum`` ablation: like ``drop`` but biases added inside the sum (counted N times):
+                ``X_out = X + AllReduce(A_r + b_o + Z_r + b_down)``.
+
+On disk a plan is JSON: ``{"format": "syncdrop-plan", "version": 1, "num_blocks": L,
+"blocks": [...], "meta": {...}}``. The CLI accepts a spec string (:func:`parse_plan`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from syncdrop.errors import SyncdropError
+
+ATTN_MODES = ("full", "drop", "naive", "desync", "bias-in-sum")
+DROP_VARIANTS = ATTN_MODES[1:]
+MLP_MODES = ("full",)
+PLAN_FORMAT = "syncdrop-plan"
+PLAN_SPEC_HELP = "none | all | last:K | first:K | blocks:0,3,7 | PATH.json"
+
+
+@dataclass(frozen=True)
+class BlockSync:
+    """Sync points of one block."""
+
+    attn: str = "full"
+    mlp: str = "full"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attn": self.attn, "mlp": self.mlp}
+
+
+@dataclass
+class SyncPlan:
+    """Per-block sync decisions for a model with ``len(blocks)`` blocks."""
+
+    blocks: list[BlockSync]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def uniform(cls, num_blocks: int, attn: str = "full") -> SyncPlan:
+        return cls([BlockSync(attn=attn) for _ in range(num_blocks)])
+
+    @classmethod
+    def dropping(cls, num_blocks: int, dropped: Iterable[int], variant: str = "drop") -> SyncPlan:
+        """Plan that applies ``variant`` to the attention sync of the ``dropped`` blocks."""
+        if variant not in DROP_VARIANTS:
+            raise SyncdropError(f"drop variant must be one of {', '.join(DROP_VARIANTS)}, got {variant!r}")
+        dropped = set(dropped)
+        for i in dropped:
+            if not 0 <= i < num_blocks:
+                raise SyncdropError(f"block index {i} out of range: the model has blocks 0..{num_blocks - 1}")
+        return cls([BlockSync(attn=variant if i in dropped else "full") for i in range(num_blocks)])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def dropped(self) -> list[int]:
+        """Blocks whose attention sync point is removed (any drop variant)."""
+        return [i for i, b in enumerate(self.blocks) if b.attn != "full"]
+
+    @property
+    def spd_fraction(self) -> float:
+        return len(self.dropped) / max(1, self.num_blocks)
+
+    def summary(self) -> str:
+        d = self.dropped
+        if not d:
+            return "none"
+        variants = sorted({self.blocks[i].attn for i in d})
+        return f"{len(d)}/{self.num_blocks} dropped ({','.join(variants)}): {d}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": 1,
+            "num_blocks": self.num_blocks,
+            "blocks": [b.to_dict() for b in self.blocks],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, num_blocks: int | None = None, source: str = "plan") -> SyncPlan:
+        if not isinstance(d, dict) or not isinstance(d.get("blocks"), list):
+            raise SyncdropError(f"{source}: expected a JSON object with a 'blocks' list")
+        blocks = []
+        for i, b in enumerate(d["blocks"]):
+            if not isinstance(b, dict):
+                raise SyncdropError(f"{source}: blocks[{i}] must be an object like {{\"attn\": \"drop\"}}")
+            attn, mlp = b.get("attn", "full"), b.get("mlp", "full")
+            if attn not in ATTN_MODES:
+                raise SyncdropError(f"{source}: blocks[{i}].attn={attn!r}; expected one of {', '.join(ATTN_MODES)}")
+            if mlp not in MLP_MODES:
+                raise SyncdropError(f"{source}: blocks[{i}].mlp={mlp!r}; expected one of {', '.join(MLP_MODES)}")
+            blocks.append(BlockSync(attn=attn, mlp=mlp))
+        declared = d.get("num_blocks", len(blocks))
+        if declared != len(blocks):
+            raise SyncdropError(f"{source}: num_blocks={declared} but {len(blocks)} blocks listed")
+        if num_blocks is not None and len(blocks) != num_blocks:
+            raise SyncdropError(f"{source}: plan has {len(blocks)} blocks but the model has {num_blocks}")
+        meta = d.get("meta", {})
+        return cls(blocks, meta if isinstance(meta, dict) else {})
+
+    def save(self, path: str | Path) -> None:
+        from syncdrop.io_utils import atomic_write_json
+
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path, num_blocks: int | None = None) -> SyncPlan:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise SyncdropError(f"plan file not found: {p}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SyncdropError(f"plan file {p} is not valid JSON: {e}") from None
+        return cls.from_dict(d, num_blocks, source=f"plan file {p}")
+
+
+def _parse_int(text: str, what: str, spec: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SyncdropError(f"malformed plan {spec!r}: {what} must be an integer, got {text!r}") from None
+
+
+def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
+    """Build a plan from a CLI spec: ``none | all | last:K | first:K | blocks:0,3,7 | PATH.json``.
+
+    ``variant`` is what "dropped" means for the spec forms (``drop`` = the SPD block); a JSON file
+    states its modes itself.
+    """
+    s = spec.strip()
+    if s == "none":
+        return SyncPlan.uniform(num_blocks)
+    if s == "all":
+        return SyncPlan.dropping(num_blocks, range(num_blocks), variant)
+    if s.startswith(("last:", "first:")):
+        kind, _, k_text = s.partition(":")
+        k = _parse_int(k_text, "K", spec)
+        if not 0 <= k <= num_blocks:
+            raise SyncdropError(f"plan {spec!r}: K must be between 0 and {num_blocks} (the number of blocks)")
+        idx = range(num_blocks - k, num_blocks) if kind == "last" else range(k)
+        return SyncPlan.dropping(num_blocks, idx, variant)
+    if s.startswith("blocks:"):
+        items = [t for t in s[len("blocks:"):].split(",") if t.strip()]
+        if not items:
+            raise SyncdropError(f"malformed plan {spec!r}: list at least one block index, e.g. blocks:0,3,7")
+        return SyncPlan.dropping(num_blocks, [_parse_int(t.strip(), "block index", spec) for t in items], variant)
+    if s.endswith(".json") or Path(s).is_file():
+        return SyncPlan.load(s, num_blocks)
+    raise SyncdropError(f"malformed plan {spec!r}: expected {PLAN_SPEC_HELP}")
