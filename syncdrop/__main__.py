@@ -1,0 +1,3 @@
+from syncdrop.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Evaluation: data loading, perplexity."""

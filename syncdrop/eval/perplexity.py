@@ -1,0 +1,77 @@
+"""Perplexity over consecutive non-overlapping windows.
+
+Convention (fixed so numbers are comparable across runs): the text as-is, tokenized once without
+special tokens, cut into consecutive non-overlapping windows of L tokens (the tail shorter than L
+is dropped; with ``max_windows`` K only the first K windows), and
+
+    ppl = exp( sum_w sum_{t=1}^{L-1} -log p(x_{w,t} | x_{w,<t}) / (W * (L - 1)) )
+
+i.e. every token after the first in each window is scored, with no context carried across windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from syncdrop.errors import SyncdropError
+
+
+class CausalLM(Protocol):
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor: ...  # (B, S) -> (B, S, h)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # (..., h) -> (..., V)
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll_sum: float
+    tokens: int  # scored tokens = windows * (seq_len - 1)
+    windows: int
+    seq_len: int
+    window_nll: list[float]  # mean NLL of each window (raw samples)
+
+
+def make_windows(token_ids: list[int] | torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """``(W, L)`` tensor of consecutive non-overlapping windows."""
+    if seq_len < 2:
+        raise SyncdropError(f"--seq-len must be at least 2, got {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise SyncdropError(f"--max-windows must be at least 1, got {max_windows}")
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise SyncdropError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` -> ``(B,)`` fp32."""
+    h = model.hidden_states(windows)[:, :-1]  # (B, L-1, h)
+    logits = model.logits(h).float()  # (B, L-1, V)
+    nll = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")  # (B, L-1)
+    return nll.sum(-1)
+
+
+def perplexity(
+    model: CausalLM, windows: torch.Tensor, batch_size: int = 1, progress: bool = True, desc: str = "perplexity"
+) -> PerplexityResult:
+    """Perplexity of ``model`` on ``windows`` ``(W, L)``, evaluated ``batch_size`` windows at a time."""
+    from tqdm import tqdm
+
+    W, L = windows.shape
+    sums: list[float] = []
+    with torch.inference_mode(), tqdm(total=W, desc=desc, unit="win", disable=not progress, leave=False) as bar:
+        for i in range(0, W, batch_size):
+            sums += window_nll(model, windows[i : i + batch_size]).tolist()
+            bar.update(min(batch_size, W - i))
+            bar.set_postfix(ppl=f"{math.exp(sum(sums) / (len(sums) * (L - 1))):.3f}")
+    total = sum(sums)
+    tokens = W * (L - 1)
+    return PerplexityResult(math.exp(total / tokens), total, tokens, W, L, [s / (L - 1) for s in sums])
