@@ -36,8 +36,13 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.seq_len < 2:
+        raise SyncdropError(f"--seq-len must be at least 2, got {args.seq_len}")
+    if args.max_windows is not None and args.max_windows < 1:
+        raise SyncdropError(f"--max-windows must be at least 1, got {args.max_windows}")
     data = load_text(args.dataset, args.data_dir)  # fail fast before loading the model
-    built = build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant)
+    built = build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant,
+                  progress=not args.quiet)
     tok = built.source.load_tokenizer()
     ids = tok(data.text, add_special_tokens=False)["input_ids"]
     windows = make_windows(ids, args.seq_len, args.max_windows)

