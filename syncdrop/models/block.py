@@ -40,12 +40,23 @@ class Communicator(Protocol):
 
 @dataclass
 class ForwardContext:
-    """Per-forward constants: batch geometry and RoPE tables ``(S, d)`` (None for OPT)."""
+    """Per-forward constants: batch geometry, the position of the first token (``start`` > 0 when
+    extending a KV cache) and RoPE tables ``(S, d)`` for positions ``start..start+S-1`` (None for OPT)."""
 
     batch: int
     seq: int
     cos: torch.Tensor | None
     sin: torch.Tensor | None
+    start: int = 0
+
+
+@dataclass
+class LayerKV:
+    """One block's KV cache for the local ranks: ``k``, ``v`` of shape ``(B, R*K, max_len, d)``
+    (rank-major KV-head axis, keys after RoPE); positions ``0..start+S-1`` are valid after a step."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: ModelConfig) -> torch.Tensor:
@@ -84,9 +95,14 @@ def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def attention_partial(
-    xn: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, ctx: ForwardContext
+    xn: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, ctx: ForwardContext,
+    kv: LayerKV | None = None,
 ) -> torch.Tensor:
-    """Causal self-attention of each rank's heads; returns o_proj partials ``(R, M, h)``, bias-free."""
+    """Causal self-attention of each rank's heads; returns o_proj partials ``(R, M, h)``, bias-free.
+
+    With a cache ``kv`` the new keys/values are written at positions ``start..start+S-1`` and the
+    queries attend to everything up to their own position.
+    """
     B, S, d, R, Q, K = ctx.batch, ctx.seq, geo.head_dim, geo.r, geo.q, geo.kv
     qkv = column_linear(xn, w.qkv_w, w.qkv_b, R)  # (M, R, (Q+2K)*d)
     q, k, v = qkv.split([Q * d, K * d, K * d], dim=-1)
@@ -95,10 +111,20 @@ def attention_partial(
     v = v.reshape(B, S, R * K, d).transpose(1, 2)
     if ctx.cos is not None:
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    mask, causal = None, True
+    if kv is not None:
+        end = ctx.start + S
+        kv.k[:, :, ctx.start : end] = k
+        kv.v[:, :, ctx.start : end] = v
+        k, v = kv.k[:, :, :end], kv.v[:, :, :end]  # (B, R*K, end, d)
+        if ctx.start > 0:  # query i (position start+i) sees keys 0..start+i
+            causal = False
+            if S > 1:
+                mask = torch.arange(end)[None, :] <= (torch.arange(S)[:, None] + ctx.start)  # (S, end)
     gqa = Q != K
     if geo.kv_map is not None:  # irregular q->kv map (uneven split / replicated KV heads)
         k, v, gqa = k.index_select(1, geo.kv_map), v.index_select(1, geo.kv_map), False
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, R*Q, S, d)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)  # (B, R*Q, S, d)
     o = o.transpose(1, 2).reshape(B * S, R, Q * d)  # (M, R, Q*d)
     return row_linear(o, w.o_w)
 
@@ -124,10 +150,10 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 
 def block_forward(
     x: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, comm: Communicator,
-    ctx: ForwardContext, attn_mode: str = "full",
+    ctx: ForwardContext, attn_mode: str = "full", kv: LayerKV | None = None,
 ) -> torch.Tensor:
     """One block under the given attention sync mode; ``x``: ``(1 or R, M, h)`` -> same form."""
-    p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx)  # (R, M, h)
+    p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx, kv)  # (R, M, h)
     if attn_mode == "full":
         x1 = _add(x + comm.all_reduce(p), w.o_b)
         z = mlp_partial(norm(x1, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)

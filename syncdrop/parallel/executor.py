@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from syncdrop.errors import SyncdropError
-from syncdrop.models.block import Communicator, ForwardContext, block_forward, norm
+from syncdrop.models.block import Communicator, ForwardContext, LayerKV, block_forward, norm
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import inv_frequencies, rope_tables
 from syncdrop.parallel.comm import SimulatedComm
@@ -62,30 +62,45 @@ class TPModel:
             raise SyncdropError(f"plan has {plan.num_blocks} blocks but the model has {self.cfg.num_layers}")
         self._plan = plan
 
-    def _context(self, batch: int, seq: int) -> ForwardContext:
-        if self.cfg.sliding_window is not None and seq > self.cfg.sliding_window:
+    def _context(self, batch: int, seq: int, start: int = 0) -> ForwardContext:
+        end = start + seq
+        if self.cfg.sliding_window is not None and end > self.cfg.sliding_window:
             raise SyncdropError(
-                f"sequence length {seq} exceeds the model's sliding window {self.cfg.sliding_window}, "
-                "which syncdrop does not implement; use a shorter --seq-len"
+                f"sequence length {end} exceeds the model's sliding window {self.cfg.sliding_window}, "
+                "which syncdrop does not implement; use shorter sequences"
             )
-        if self.cfg.family == "opt" and seq > self.cfg.max_positions:
-            raise SyncdropError(f"sequence length {seq} exceeds the model's {self.cfg.max_positions} positions")
+        if self.cfg.family == "opt" and end > self.cfg.max_positions:
+            raise SyncdropError(f"sequence length {end} exceeds the model's {self.cfg.max_positions} positions")
         cos = sin = None
         if self.inv_freq is not None:
-            cos, sin = rope_tables(self.inv_freq, torch.arange(seq), self.dtype)
-        return ForwardContext(batch, seq, cos, sin)
+            cos, sin = rope_tables(self.inv_freq, torch.arange(start, end), self.dtype)
+        return ForwardContext(batch, seq, cos, sin, start)
+
+    def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
+        """Empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (all blocks, local ranks)."""
+        shape = (batch, self.geo.r * self.geo.kv, max_len, self.geo.head_dim)
+        return [LayerKV(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                for _ in self.blocks]
 
     @torch.inference_mode()
-    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states ``(B, S, h)`` as rank 0 sees them, for token ids ``(B, S)``."""
+    def hidden_states(self, ids: torch.Tensor, cache: list[LayerKV] | None = None, start: int = 0) -> torch.Tensor:
+        """Final-normed hidden states ``(B, S, h)`` as rank 0 sees them, for token ids ``(B, S)``.
+
+        With ``cache`` (from :meth:`new_cache`) the tokens are positions ``start..start+S-1`` and
+        their keys/values are appended; without it, ``start`` must be 0.
+        """
         B, S = ids.shape
-        ctx = self._context(B, S)
+        if cache is None and start:
+            raise ValueError("start > 0 needs a KV cache")
+        if cache is not None and start + S > cache[0].k.shape[2]:
+            raise SyncdropError(f"KV cache holds {cache[0].k.shape[2]} positions, {start + S} requested")
+        ctx = self._context(B, S, start)
         x = self.embed[ids]  # (B, S, h)
         if self.pos_embed is not None:
-            x = x + self.pos_embed[torch.arange(S) + self.cfg.pos_offset]
+            x = x + self.pos_embed[torch.arange(start, start + S) + self.cfg.pos_offset]
         x = x.reshape(1, B * S, -1)  # (1, M, h): replicated on every rank
-        for w, sync in zip(self.blocks, self.plan.blocks, strict=True):
-            x = block_forward(x, w, self.geo, self.cfg, self.comm, ctx, sync.attn)
+        for i, (w, sync) in enumerate(zip(self.blocks, self.plan.blocks, strict=True)):
+            x = block_forward(x, w, self.geo, self.cfg, self.comm, ctx, sync.attn, cache[i] if cache else None)
         x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
         return x.view(B, S, -1)
 
