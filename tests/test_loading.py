@@ -15,14 +15,14 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from conftest import TINY, build_tiny
+from conftest import TINY, build_tiny, randomize_
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import syncdrop.models.loading as loading
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import model_names
-from syncdrop.models.gguf_reader import permute_rows, unpermute_rows
+from syncdrop.models.gguf_reader import GGUFFile, permute_rows, unpermute_rows
 from syncdrop.models.hf_reader import config_from_hf
 from syncdrop.models.loading import ModelSource, load_dense, resolve_model
 
@@ -92,6 +92,50 @@ def assert_config_matches_hf(src: ModelSource, hf_cfg) -> None:
     assert c.sliding_window == getattr(hf_cfg, "sliding_window", None)
 
 
+def index_patterns(n: int) -> list[torch.Tensor]:
+    """Row/column indices a rank might ask for, plus awkward ones: all, a contiguous middle range,
+    every other one backwards, unsorted with a repeat and a negative index, one, none."""
+    return [torch.arange(n), torch.arange(n // 3, n // 3 + max(n // 2, 1)), torch.arange(n - 1, -1, -2),
+            torch.tensor([n - 1, 0, n // 2, 0, -2]), torch.tensor([n // 2]), torch.tensor([], dtype=torch.long)]
+
+
+def assert_partial_reads_match(reader, extra: dict[str, list[torch.Tensor]] | None = None) -> None:
+    """For every tensor: ``get_rows``/``get_cols`` equal ``get(name)[index]``/``[:, index]`` bit for
+    bit (float32, contiguous) over :func:`index_patterns` and any ``extra`` row indices."""
+    for name in reader.names():
+        full = reader.get(name)
+        for idx in index_patterns(full.shape[0]) + (extra or {}).get(name, []):
+            got = reader.get_rows(name, idx)
+            assert got.dtype == torch.float32 and got.is_contiguous(), name
+            assert torch.equal(got, full[idx]), f"{name} rows {idx.tolist()}"
+        if full.dim() == 2:
+            for idx in index_patterns(full.shape[1]):
+                got = reader.get_cols(name, idx)
+                assert got.dtype == torch.float32 and got.is_contiguous(), name
+                assert torch.equal(got, full[:, idx]), f"{name} cols {idx.tolist()}"
+        else:
+            with pytest.raises(IndexError, match="2-D"):
+                reader.get_cols(name, torch.tensor([0]))
+    name = reader.names()[0]
+    n = reader.get(name).shape[0]
+    with pytest.raises(IndexError, match="out of bounds"):
+        reader.get_rows(name, torch.tensor([0, n]))
+    with pytest.raises(IndexError, match="out of bounds"):
+        reader.get_rows(name, torch.tensor([-n - 1]))
+    with pytest.raises(TypeError, match="1-D integer"):
+        reader.get_rows(name, torch.tensor([0.0]))
+    with pytest.raises(TypeError, match="1-D integer"):
+        reader.get_rows(name, torch.tensor([[0]]))
+    if reader.config.tie_embeddings:
+        with pytest.raises(KeyError):
+            reader.get_rows("lm_head", torch.tensor([0]))
+
+
+def head_rows(heads: list[int], d: int) -> torch.Tensor:
+    """Rows ``h*d .. h*d+d-1`` of each head in ``heads``, in that order."""
+    return torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])
+
+
 # --- transformers checkpoint directories ---------------------------------------------------------
 
 
@@ -156,6 +200,54 @@ def test_reader_is_lazy_and_load_dense_casts(tiny_qwen2_dir: Path) -> None:
     assert torch.equal(dense["layers.1.q.bias"], q.bfloat16())
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_partial_reads_match_get(family: str, request) -> None:
+    src = resolve_model(str(request.getfixturevalue(family)))
+    d = src.config.head_dim
+    assert_partial_reads_match(src.reader, {"layers.0.q.weight": [head_rows([4, 1, 2], d)],
+                                            "layers.1.k.weight": [head_rows([1], d)]})
+    if src.config.qkv_bias:
+        bias = src.reader.get("layers.0.q.bias")
+        assert torch.equal(src.reader.get_rows("layers.0.q.bias", head_rows([2, 3], d)), bias[2 * d : 4 * d])
+
+
+class _RecordingHandle:
+    """Stands in for a ``safe_open`` handle: slices only (no ``get_tensor``), each slice's shape
+    recorded."""
+
+    def __init__(self, inner, reads: list[tuple[str, tuple[int, ...]]]) -> None:
+        self.inner, self.reads = inner, reads
+
+    def get_slice(self, key: str):
+        sl, reads = self.inner.get_slice(key), self.reads
+
+        class Slice:
+            def get_shape(self) -> list[int]:
+                return sl.get_shape()
+
+            def __getitem__(self, item):
+                t = sl[item]
+                reads.append((key, tuple(t.shape)))
+                return t
+
+        return Slice()
+
+
+def test_hf_partial_reads_read_only_the_covering_range(tiny_llama_dir: Path) -> None:
+    src = resolve_model(str(tiny_llama_dir))
+    reader, d = src.reader, src.config.head_dim
+    full = {n: reader.get(n) for n in ("layers.0.q.weight", "layers.0.o.weight", "embed")}
+    reads: list[tuple[str, tuple[int, ...]]] = []
+    reader._handles = {f: _RecordingHandle(h, reads) for f, h in reader._handles.items()}
+    q_rows = head_rows([2, 1], d)  # heads out of order: still one covering read of rows 8..23
+    assert torch.equal(reader.get_rows("layers.0.q.weight", q_rows), full["layers.0.q.weight"][q_rows])
+    assert torch.equal(reader.get_cols("layers.0.o.weight", head_rows([1, 2], d)), full["layers.0.o.weight"][:, 8:24])
+    assert torch.equal(reader.get_rows("embed", torch.tensor([250, 100, 200])), full["embed"][[250, 100, 200]])
+    assert reads == [("model.layers.0.self_attn.q_proj.weight", (16, 48)),
+                     ("model.layers.0.self_attn.o_proj.weight", (48, 16)),
+                     ("model.embed_tokens.weight", (151, 48))]
+
+
 def test_hf_tokenizer_is_cached(tiny_llama_dir: Path) -> None:
     src = resolve_model(str(tiny_llama_dir))
     tok = src.load_tokenizer()
@@ -206,6 +298,8 @@ def test_opt_without_layernorm_affine(tmp_path: Path) -> None:
     dense = load_dense(src)
     assert torch.equal(dense["layers.0.attn_norm.weight"], torch.ones(48))
     assert torch.equal(dense["final_norm.bias"], torch.zeros(48))
+    assert torch.equal(src.reader.get_rows("final_norm.bias", torch.tensor([3, 1])), torch.zeros(2))
+    assert torch.equal(src.reader.get_rows("layers.1.mlp_norm.weight", torch.tensor([47, -1])), torch.ones(2))
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     assert torch.equal(dense["layers.1.up.weight"], sd["model.decoder.layers.1.fc1.weight"])
 
@@ -304,6 +398,73 @@ def test_gguf_tied_and_unsupported_arch(tiny_llama_dir: Path, tmp_path: Path) ->
         src.load_tokenizer()
     with pytest.raises(SyncdropError, match="GGUF architecture 'gpt2' unsupported"):
         resolve_model(str(write_gguf(tmp_path / "other.gguf", orig, "gpt2")))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_partial_reads_match_get(arch: str, tmp_path: Path) -> None:
+    """Hidden 64 so that q/k/gate/embed rows hold whole Q8_0/Q4_x blocks: quantised, permuted (llama)
+    q/k weights and biases, 1-D quantised tensors, F16/BF16, every index pattern."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(**kw, attention_bias=True) if arch == "llama" else Qwen2Config(**kw)
+    hf = randomize_(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), seed=6)
+    types = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_1, "attn_v": Q.F16, "attn_output": Q.BF16, "ffn_gate": Q.Q4_0,
+             "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "attn_norm": Q.Q8_0}
+    src = resolve_model(str(write_gguf(tmp_path / "t.gguf", hf, arch, types)))
+    reader = src.reader
+    assert reader.config.qkv_bias and reader.file.tensors["blk.0.attn_q.bias"].ggml_type == Q.Q8_0
+    d = src.config.head_dim
+    heads = {"layers.0.q.weight": [head_rows([3, 1], d), head_rows([2], d), torch.tensor([17, 3, 40, 3, 63])],
+             "layers.0.q.bias": [head_rows([3, 0], d), torch.tensor([33, 2, 50])],
+             "layers.0.k.weight": [head_rows([1], d), head_rows([1, 0], d), torch.tensor([31, 16, 0])],
+             "layers.0.k.bias": [head_rows([1], d)]}
+    assert_partial_reads_match(reader, heads)
+
+
+def test_smollm2_partial_reads_read_less(smollm2_source: ModelSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's slice of SmolLM2 (Q4_1 layers, Q8_0 embedding) equals the slice of the full tensor,
+    and only that slice's quantised bytes are dequantised (``GGUFFile.raw`` is not called)."""
+    reader = smollm2_source.reader
+    d, ffn = smollm2_source.config.head_dim, smollm2_source.config.intermediate_size
+    rows = {"layers.0.q.weight": [head_rows([0, 1, 2], d), head_rows([7, 4], d)],
+            "layers.0.k.weight": [head_rows([1], d)], "layers.29.k.weight": [head_rows([2, 0], d)],
+            "layers.0.v.weight": [head_rows([1], d)],
+            "layers.0.gate.weight": [torch.arange(ffn // 3, 2 * ffn // 3)],
+            "layers.0.up.weight": [torch.arange(ffn // 3, 2 * ffn // 3)],
+            "embed": [torch.arange(16384, 32768), torch.tensor([49151, 5, 907, 5])],
+            "layers.0.attn_norm.weight": [torch.arange(192, 384)]}
+    cols = {"layers.0.o.weight": [head_rows([3, 4, 5], d), torch.tensor([575, 0, 100])],
+            "layers.0.down.weight": [torch.arange(ffn // 3, 2 * ffn // 3)]}
+    full = {name: reader.get(name) for name in [*rows, *cols]}
+    dequantised: list[int] = []
+    real = gguf.quants.dequantize
+
+    def spy(data, qtype):
+        dequantised.append(data.nbytes)
+        return real(data, qtype)
+
+    def no_full_read(self, name: str):
+        raise AssertionError(f"full read of {name}")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", spy)
+    monkeypatch.setattr(GGUFFile, "raw", no_full_read)
+    for name, indices in rows.items():
+        info = reader.file.tensors[reader._gguf_name(name)]
+        for idx in indices:
+            dequantised.clear()
+            assert torch.equal(reader.get_rows(name, idx), full[name][idx]), name
+            assert sum(dequantised) == info.nbytes * len(set(idx.tolist())) // info.shape[0], name
+    for name, indices in cols.items():
+        info = reader.file.tensors[reader._gguf_name(name)]
+        for idx in indices:
+            dequantised.clear()
+            assert torch.equal(reader.get_cols(name, idx), full[name][:, idx]), name
+            assert sum(dequantised) < info.nbytes, name
+    dequantised.clear()
+    reader.get_cols("layers.0.o.weight", head_rows([3, 4, 5], d))  # columns 192..383 = blocks 6..11 of 18
+    assert dequantised == [reader.file.tensors["blk.0.attn_output.weight"].nbytes // 3]
 
 
 # --- the default model ---------------------------------------------------------------------------

@@ -120,7 +120,8 @@ def attention_partial(
         if ctx.start > 0:  # query i (position start+i) sees keys 0..start+i
             causal = False
             if S > 1:
-                mask = torch.arange(end)[None, :] <= (torch.arange(S)[:, None] + ctx.start)  # (S, end)
+                pos = torch.arange(end, device=k.device)
+                mask = pos[None, :] <= (pos[ctx.start : end, None])  # (S, end)
     gqa = Q != K
     if geo.kv_map is not None:  # irregular q->kv map (uneven split / replicated KV heads)
         k, v, gqa = k.index_select(1, geo.kv_map), v.index_select(1, geo.kv_map), False

@@ -13,6 +13,16 @@ dimensions ``(2j, 2j+1)``, HF pairs ``(j, j + d/2)``)::
 
 so :func:`unpermute_rows` applies the inverse, ``reshape(n, d/2, 2, h).swapaxes(1, 2)``. ``qwen2``
 files are written unpermuted (NeoX rope layout, same as HF).
+
+Partial reads (:meth:`GGUFCheckpoint.get_rows` / :meth:`~GGUFCheckpoint.get_cols`, for one
+tensor-parallel rank's slice): ggml stores a tensor row-major, each row a run of self-contained
+quantisation blocks (a block holds its own scale/min, so dequantising it needs no other block). Rows
+are therefore read and dequantised selectively: only the needed rows' bytes are copied out of a
+memory map. Columns are selected per *block*: every row is still visited (the bytes of one column
+range are strided through the whole tensor, so the pages read from disk are about the same as for
+the whole tensor), but only the blocks covering the needed columns are copied and dequantised, so
+time and memory scale with the slice. q/k rows are un-permuted per head, so a row read covers the
+whole heads its rows belong to.
 """
 
 from __future__ import annotations
@@ -147,19 +157,107 @@ class GGUFFile:
 
     def raw(self, name: str) -> torch.Tensor:
         """Dequantised float32 tensor ``name`` in torch order (reads only its bytes)."""
-        import gguf
-
         info = self.tensors[name]
-        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        qtype, block, type_size = _quant(info.ggml_type)
         data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        if qtype == gguf.GGMLQuantizationType.BF16:  # numpy has no bfloat16
-            out = torch.from_numpy(data).view(torch.bfloat16).float()
+        rows = math.prod(info.shape[:-1])
+        return _dequantize(data.reshape(rows, info.shape[-1] // block * type_size), qtype).reshape(info.shape)
+
+    def raw_rows(self, name: str, rows: np.ndarray) -> torch.Tensor:
+        """``raw(name)[rows]`` (dim 0; elements of a 1-D tensor), reading and dequantising only the
+        stored rows that ``rows`` names.
+
+        ``rows``: 1-D int64 array of in-range, non-negative indices, any order, repeats allowed. A
+        1-D tensor is read in whole quantisation blocks (one element per block for F32/F16/BF16).
+        """
+        info = self.tensors[name]
+        qtype, block, type_size = _quant(info.ggml_type)
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(info.shape) == 1:
+            per_unit, unit_bytes, units = block, type_size, rows // block
         else:
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            rows = math.prod(info.shape[:-1])
-            data = data.reshape(rows, info.shape[-1] // block * type_size)
-            out = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
-        return out.reshape(info.shape)
+            per_unit = math.prod(info.shape[1:])
+            unit_bytes, units = per_unit // block * type_size, rows
+        if rows.size == 0:
+            return torch.empty((0, *info.shape[1:]), dtype=torch.float32)
+        uniq, inverse = np.unique(units, return_inverse=True)
+        table = self._table(info, (info.nbytes // unit_bytes, unit_bytes))
+        lo, hi = int(uniq[0]), int(uniq[-1]) + 1
+        data = table[lo:hi].copy() if hi - lo == uniq.size else table[uniq]
+        del table
+        vals = _dequantize(data, qtype).reshape(uniq.size, per_unit)
+        if len(info.shape) == 1:
+            return _select(vals.reshape(-1), inverse.reshape(-1) * block + rows % block)
+        return _select(vals.reshape(uniq.size, *info.shape[1:]), inverse.reshape(-1))
+
+    def raw_cols(self, name: str, cols: np.ndarray) -> torch.Tensor:
+        """``raw(name)[:, cols]`` of a 2-D tensor, dequantising only the quantisation blocks (of
+        every row) that hold the needed columns. ``cols`` as ``rows`` of :meth:`raw_rows`."""
+        info = self.tensors[name]
+        if len(info.shape) != 2:
+            raise ValueError(f"{name}: column reads need a 2-D tensor, shape is {info.shape}")
+        qtype, block, type_size = _quant(info.ggml_type)
+        cols = np.asarray(cols, dtype=np.int64)
+        n_rows, n_cols = info.shape
+        if cols.size == 0:
+            return torch.empty((n_rows, 0), dtype=torch.float32)
+        uniq, inverse = np.unique(cols // block, return_inverse=True)
+        table = self._table(info, (n_rows, n_cols // block, type_size))
+        lo, hi = int(uniq[0]), int(uniq[-1]) + 1
+        data = table[:, lo:hi].copy() if hi - lo == uniq.size else table[:, uniq]
+        del table
+        vals = _dequantize(data.reshape(n_rows, uniq.size * type_size), qtype).reshape(n_rows, uniq.size * block)
+        pos = inverse.reshape(-1) * block + cols % block
+        if pos.size == vals.shape[1] and np.array_equal(pos, np.arange(pos.size)):
+            return vals
+        return vals[:, torch.from_numpy(pos)]
+
+    def _table(self, info: GGUFTensorInfo, shape: tuple[int, ...]) -> np.ndarray:
+        """Read-only view of ``info``'s stored bytes (memory-mapped, nothing read yet) as ``shape``."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=shape).view(np.ndarray)
+
+
+def _quant(ggml_type: int) -> tuple[Any, int, int]:
+    """``(GGMLQuantizationType, elements per block, bytes per block)``."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(ggml_type)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype, block, type_size
+
+
+def _dequantize(data: np.ndarray, qtype: Any) -> torch.Tensor:
+    """Float32 values of ``data`` (uint8, ``(rows, whole blocks' bytes)``), shape ``(rows, elements)``."""
+    import gguf
+
+    data = np.ascontiguousarray(data)
+    if qtype == gguf.GGMLQuantizationType.BF16:  # numpy has no bfloat16
+        return torch.from_numpy(data).view(torch.bfloat16).float()
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+
+
+def _select(vals: torch.Tensor, pos: np.ndarray) -> torch.Tensor:
+    """``vals[pos]`` along dim 0, skipping the copy when ``pos`` is ``0..len(vals)-1``."""
+    if pos.size == vals.shape[0] and np.array_equal(pos, np.arange(pos.size)):
+        return vals
+    return vals[torch.from_numpy(pos)]
+
+
+def normalize_index(index: torch.Tensor, size: int, what: str) -> torch.Tensor:
+    """``index`` as a 1-D int64 CPU tensor with negative entries wrapped, as torch indexing does.
+
+    Raises ``TypeError`` unless ``index`` is 1-D of an integer dtype (not bool), and ``IndexError``
+    if an entry lies outside ``[-size, size)``.
+    """
+    index = torch.as_tensor(index)
+    if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+        raise TypeError(f"{what}: index must be a 1-D integer tensor, got {index.dtype} of shape "
+                        f"{tuple(index.shape)}")
+    index = index.to(device="cpu", dtype=torch.int64)
+    if index.numel() and (int(index.min()) < -size or int(index.max()) >= size):
+        bad = int(index.min()) if int(index.min()) < -size else int(index.max())
+        raise IndexError(f"{what}: index {bad} is out of bounds for size {size}")
+    return torch.where(index < 0, index + size, index)
 
 
 def _nbytes(ggml_type: int, shape: tuple[int, ...], path: str, name: str) -> int:
@@ -284,12 +382,55 @@ class GGUFCheckpoint:
             raise KeyError(f"{name!r} not in {self.file.path}")
         return self._index[name]
 
-    def get(self, name: str) -> torch.Tensor:
-        w = self.file.raw(self._gguf_name(name))
+    def _permuted_heads(self, name: str) -> int | None:
+        """Head count of ``name`` if its rows are stored in llama.cpp's permuted q/k layout."""
         if self._permuted and name.startswith("layers."):
             proj = name.split(".")[2]
             if proj == "q":
-                w = unpermute_rows(w, self.config.num_heads)
-            elif proj == "k":
-                w = unpermute_rows(w, self.config.num_kv_heads)
+                return self.config.num_heads
+            if proj == "k":
+                return self.config.num_kv_heads
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        w = self.file.raw(self._gguf_name(name))
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            w = unpermute_rows(w, heads)
+        return w.contiguous()
+
+    def get_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[index]``, reading and dequantising only the stored rows needed.
+
+        Permuted q/k weights and biases are read in whole heads (llama.cpp permutes rows only within
+        a head): the heads that ``index`` touches are read, un-permuted one by one, then indexed, so
+        any index works and a whole-heads index reads exactly its heads.
+        """
+        gname = self._gguf_name(name)
+        shape = self.file.tensors[gname].shape
+        idx = normalize_index(index, shape[0], name).numpy()
+        heads = self._permuted_heads(name)
+        if heads is None or idx.size == 0:
+            return self.file.raw_rows(gname, idx).contiguous()
+        d = shape[0] // heads
+        uniq, inverse = np.unique(idx // d, return_inverse=True)
+        rows = (uniq[:, None] * d + np.arange(d)).reshape(-1)
+        w = unpermute_rows(self.file.raw_rows(gname, rows), uniq.size)
+        return _select(w, inverse.reshape(-1) * d + idx % d).contiguous()
+
+    def get_cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[:, index]`` of a 2-D tensor.
+
+        Quantisation blocks run along columns, so every stored row is visited (about the same bytes
+        read from disk as :meth:`get`), but only the blocks holding the needed columns are copied
+        and dequantised: time and memory scale with the slice, not the tensor.
+        """
+        gname = self._gguf_name(name)
+        shape = self.file.tensors[gname].shape
+        if len(shape) != 2:
+            raise IndexError(f"{name}: get_cols needs a 2-D tensor, shape is {shape}")
+        w = self.file.raw_cols(gname, normalize_index(index, shape[1], name).numpy())
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            w = unpermute_rows(w, heads)
         return w.contiguous()

@@ -3,6 +3,8 @@
 ``config.json`` is parsed as a plain dict (no transformers config classes, no remote code), with the
 defaults of the transformers 5 config classes where a key is missing. Weights are read with
 ``safetensors.safe_open`` one tensor at a time; pickled ``*.bin`` checkpoints are never loaded.
+:meth:`HFCheckpoint.get_rows` / :meth:`~HFCheckpoint.get_cols` read only the covering row/column
+range of a tensor (``safe_open(...).get_slice(key)[lo:hi]``), for one tensor-parallel rank's slice.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig, model_names
+from syncdrop.models.gguf_reader import normalize_index
 
 SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM")
 
@@ -265,11 +268,44 @@ class HFCheckpoint:
             return (self.config.hidden_size,)
         return tuple(self._handle(self._files[key]).get_slice(key).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
+    def _key(self, name: str) -> str | None:
         if name not in self._index:
             raise KeyError(f"{name!r} not in {self.path}")
-        key = self._index[name]
-        if key is None:  # LayerNorm without elementwise affine: weight 1, bias 0
-            fill = torch.ones if name.endswith(".weight") else torch.zeros
-            return fill(self.config.hidden_size, dtype=torch.float32)
+        return self._index[name]
+
+    def _filled(self, name: str) -> torch.Tensor:
+        """A non-affine LayerNorm's parameter: weight 1, bias 0."""
+        fill = torch.ones if name.endswith(".weight") else torch.zeros
+        return fill(self.config.hidden_size, dtype=torch.float32)
+
+    def get(self, name: str) -> torch.Tensor:
+        key = self._key(name)
+        if key is None:
+            return self._filled(name)
         return self._handle(self._files[key]).get_tensor(key).to(torch.float32)
+
+    def get_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[index]``, reading only rows ``min(index)..max(index)`` (dim 0; elements of a
+        1-D tensor) and converting to float32 after selecting."""
+        return self._get_along(name, index, dim=0)
+
+    def get_cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[:, index]`` of a 2-D tensor, reading only columns ``min(index)..max(index)``."""
+        return self._get_along(name, index, dim=1)
+
+    def _get_along(self, name: str, index: torch.Tensor, dim: int) -> torch.Tensor:
+        key = self._key(name)
+        sl = None if key is None else self._handle(self._files[key]).get_slice(key)
+        shape = tuple(sl.get_shape()) if sl is not None else (self.config.hidden_size,)
+        if len(shape) <= dim:
+            raise IndexError(f"{name}: get_cols needs a 2-D tensor, shape is {shape}")
+        idx = normalize_index(index, shape[dim], name)
+        if sl is None:
+            return self._filled(name)[idx]
+        if idx.numel() == 0:
+            return torch.empty(shape[:dim] + (0,) + shape[dim + 1:], dtype=torch.float32)
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        part = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+        if idx.numel() != hi - lo or not torch.equal(idx, torch.arange(lo, hi)):
+            part = part.index_select(dim, idx - lo)
+        return part.to(torch.float32).contiguous()

@@ -49,6 +49,23 @@ class CheckpointReader(Protocol):
         """Tensor ``name`` as float32 in canonical layout, read from disk now (only this one)."""
         ...
 
+    def get_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[index]`` (float32, canonical layout), reading only what the format allows.
+
+        ``index``: 1-D integer tensor of dim-0 indices (elements of a 1-D tensor), any order,
+        repeats and negative indices allowed as in torch indexing; ``TypeError`` for anything else,
+        ``IndexError`` out of range, ``KeyError`` for an unknown name (a tied ``lm_head`` included:
+        read ``embed``). safetensors: the covering range ``min(index)..max(index)`` is sliced out;
+        GGUF: only the needed rows are read and dequantised (permuted q/k: the heads they belong to).
+        """
+        ...
+
+    def get_cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``get(name)[:, index]`` of a 2-D tensor (``IndexError`` for 1-D), ``index`` as in
+        :meth:`get_rows`. safetensors: reads the covering column range; GGUF: visits every row but
+        dequantises only the quantisation blocks holding the needed columns."""
+        ...
+
 
 @dataclass
 class ModelSource:
