@@ -1,7 +1,8 @@
 """The ``syncdrop`` command.
 
 Every user mistake raises :class:`~syncdrop.errors.SyncdropError`; :func:`main` prints it as one
-line and exits with code 2 (argparse's own errors also exit 2).
+line and exits with code 2 (argparse's own errors also exit 2). A failed collective in the
+distributed runtime (a peer rank died or hung) prints one line and exits with code 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from syncdrop.plan import DROP_VARIANTS, PLAN_SPEC_HELP
 log = logging.getLogger("syncdrop")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, distributed: bool = True) -> None:
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree N (default 1)")
@@ -26,13 +27,30 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="what a dropped block does for spec plans: drop = the SPD block (default); "
                         "naive, desync, bias-in-sum = ablations")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    if distributed:
+        p.add_argument("--executor", default="auto", choices=["auto", "simulated", "hf"],
+                       help="auto (default): one rank per process under torchrun/--launch, else all N ranks "
+                            "simulated in this process; hf: transformers' dense model (reference)")
+        p.add_argument("--launch", action="store_true",
+                       help="start --tp worker processes on this machine (like torchrun --nproc-per-node N)")
+        p.add_argument("--exact-reduce", action="store_true",
+                       help="distributed: all-gather partials and sum in rank order (bitwise equal to the "
+                            "simulation, N/2 x the traffic of a ring all-reduce)")
+        p.add_argument("--dist-timeout", type=float, default=60.0,
+                       help="seconds before a collective waiting on a dead or hung rank fails (default 60)")
+
+
+def _build(args: argparse.Namespace, progress: bool = True):
+    from syncdrop.runtime import build
+
+    return build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant,
+                 progress=progress, dist_timeout=args.dist_timeout, exact_reduce=args.exact_reduce)
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
     from syncdrop.eval.data import load_text
     from syncdrop.eval.perplexity import make_windows, perplexity
     from syncdrop.io_utils import atomic_write_json, provenance
-    from syncdrop.runtime import build
 
     if args.batch_size < 1:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -41,25 +59,61 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if args.max_windows is not None and args.max_windows < 1:
         raise SyncdropError(f"--max-windows must be at least 1, got {args.max_windows}")
     data = load_text(args.dataset, args.data_dir)  # fail fast before loading the model
-    built = build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant,
-                  progress=not args.quiet)
+    built = _build(args, progress=not args.quiet)
+    log.info("rank %s ready", built.dist.rank if built.dist else 0)
     tok = built.source.load_tokenizer()
     ids = tok(data.text, add_special_tokens=False)["input_ids"]
     windows = make_windows(ids, args.seq_len, args.max_windows)
     t0 = time.perf_counter()
-    res = perplexity(built.model, windows, args.batch_size, progress=not args.quiet)
+    res = perplexity(built.model, windows, args.batch_size, progress=not args.quiet and built.is_main)
     elapsed = time.perf_counter() - t0
-    print(f"{built.source.name} tp={args.tp} plan={built.plan.summary()} {data.name}: "
+    if not built.is_main:
+        return 0
+    runtime = "distributed" if built.dist else ("hf" if args.executor == "hf" else "simulated")
+    print(f"{built.source.name} tp={args.tp} ({runtime}) plan={built.plan.summary()} {data.name}: "
           f"ppl {res.ppl:.4f} ({res.tokens} tokens, {res.windows} windows of {res.seq_len}, {elapsed:.1f}s)")
     if args.json:
         atomic_write_json(args.json, {
             "ppl": res.ppl, "nll_mean": res.nll_sum / res.tokens, "tokens": res.tokens, "windows": res.windows,
             "seq_len": res.seq_len, "model": built.source.name, "model_spec": args.model, "tp": args.tp,
-            "plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "executor": args.executor,
+            "plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "executor": runtime,
             "dtype": args.dtype, "dataset": data.name, "dataset_path": data.path,
             "max_windows": args.max_windows, "elapsed_s": elapsed, "window_nll": res.window_nll,
-            "provenance": provenance(),
+            "memory": built.memory, "provenance": provenance(),
         })
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from syncdrop.generate import SamplingParams, generate
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params.validate()
+    if args.max_new_tokens < 1:
+        raise SyncdropError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.executor == "hf":
+        raise SyncdropError("generate runs syncdrop's executors: use --executor auto or simulated")
+    built = _build(args, progress=False)
+    tok = built.source.load_tokenizer()
+    ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise SyncdropError("--prompt is empty after tokenization")
+    agree = None
+    if built.dist is not None and any(b.attn == "naive" for b in built.plan.blocks):
+        from syncdrop.parallel.dist import broadcast_from_main
+
+        agree = broadcast_from_main  # ranks' streams diverge under naive drops: use rank 0's tokens
+    eos = None if args.ignore_eos else tok.eos_token_id
+    out = generate(built.model, torch.tensor([ids]), args.max_new_tokens, params, eos, agree)
+    if built.is_main:
+        text = tok.decode(out.tokens[0, len(ids):], skip_special_tokens=not args.show_special)
+        print(args.prompt + text)
+        per_tok = sum(out.decode_s) / max(1, len(out.decode_s))
+        print(f"[{out.new_tokens} tokens; time to first token {out.ttft_s * 1e3:.1f} ms, "
+              f"{per_tok * 1e3:.1f} ms per further token; tp={args.tp}, plan {built.plan.summary()}]",
+              file=sys.stderr)
     return 0
 
 
@@ -85,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ppl", help="perplexity under a sync plan (simulated tensor parallelism)")
+    p = sub.add_parser("ppl", help="perplexity under a sync plan")
     _add_model_args(p)
     p.add_argument("--dataset", default="auto",
                    help="wikitext2 | wikitext2:valid | shakespeare | auto (default: wikitext2 if present) | PATH")
@@ -93,30 +147,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="window length in tokens (default 1024)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first K windows")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
-    p.add_argument("--executor", default="simulated", choices=["simulated", "hf"],
-                   help="simulated TP (default) or transformers' dense model as a reference")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ppl)
 
-    p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
+    p = sub.add_parser("generate", help="generate text with a KV cache under a sync plan")
     _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--show-special", action="store_true", help="print special tokens")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
+    _add_model_args(p, distributed=False)
     p.set_defaults(func=cmd_info)
     return ap
 
 
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Validate cheaply here (so a usage error is printed once), then start --tp workers."""
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.parallel.launch import launch
+    from syncdrop.parallel.sharding import check_tp
+    from syncdrop.plan import parse_plan
+
+    cfg = resolve_model(args.model).config
+    check_tp(cfg, args.tp)
+    parse_plan(args.plan, cfg.num_layers, args.drop_variant)
+    if args.dist_timeout <= 0:
+        raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from syncdrop.parallel import dist
+
     try:
+        if getattr(args, "launch", False) and not dist.launched_by_torchrun():
+            return _launch(args, argv)
         return args.func(args)
     except SyncdropError as e:
         print(f"syncdrop: error: {e}", file=sys.stderr)
         return 2
+    except dist.RankFailure as e:
+        print(f"syncdrop: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("syncdrop: interrupted", file=sys.stderr)
         return 130
+    finally:
+        dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.dist import DistContext
 from syncdrop.parallel.executor import TPModel, simulated_model
 from syncdrop.plan import SyncPlan, parse_plan
 
@@ -53,26 +55,67 @@ class Built:
     source: object  # syncdrop.models.loading.ModelSource
     model: TPModel | HFReference
     plan: SyncPlan
+    dist: DistContext | None = None  # set in the distributed runtime
+    memory: dict | None = None  # distributed runtime: per-rank weight bytes and peak RSS
+
+    @property
+    def is_main(self) -> bool:
+        """True on the process that prints and writes results (rank 0, or the only process)."""
+        return self.dist is None or self.dist.is_main
 
 
-def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", executor: str = "simulated",
-          drop_variant: str = "drop", progress: bool = True) -> Built:
-    """Resolve the model, validate TP and plan, and build the executor."""
+def full_copy_bytes(cfg, dtype: torch.dtype) -> int:
+    """Bytes of one full dense copy of the model's weights in ``dtype``."""
+    from syncdrop.models.config import model_names
+    from syncdrop.models.loading import expected_shape
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(expected_shape(n, cfg)) for n in model_names(cfg)) * elem
+
+
+EXECUTORS = ("auto", "simulated", "hf")
+
+
+def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", executor: str = "auto",
+          drop_variant: str = "drop", progress: bool = True, dist_timeout: float = 60.0,
+          exact_reduce: bool = False) -> Built:
+    """Resolve the model, validate TP and plan, and build the executor.
+
+    ``auto``: the distributed runtime when this process was started by torchrun / ``--launch``
+    (one rank per process, each reading only its own slices), else the simulated executor.
+    """
     from syncdrop.models.loading import resolve_model
-    from syncdrop.parallel.sharding import check_tp
+    from syncdrop.parallel import dist
+    from syncdrop.parallel.sharding import ShardLayout, check_tp
 
     source = resolve_model(model_spec)
     cfg = source.config
     check_tp(cfg, tp)
     plan = parse_plan(plan_spec, cfg.num_layers, drop_variant)
     torch_dtype = parse_dtype(dtype)
+    if executor not in EXECUTORS:
+        raise SyncdropError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if executor == "hf":
         if tp != 1 or plan.dropped:
             raise SyncdropError("--executor hf runs transformers' dense model: use --tp 1 --plan none")
         return Built(source, HFReference(source, torch_dtype), plan)
-    if executor != "simulated":
-        raise SyncdropError(f"--executor must be simulated or hf, got {executor!r}")
+    if executor == "auto" and dist.launched_by_torchrun():
+        ctx = dist.init(dist_timeout)
+        if ctx.world != tp:
+            raise SyncdropError(f"--tp {tp} but the job has {ctx.world} ranks; they must match "
+                                "(torchrun --nproc-per-node, or --launch which starts --tp ranks)")
+        rss0 = dist.peak_rss_mb()
+        comm = dist.DistComm(tp, exact=exact_reduce)
+        model = TPModel(cfg, source.reader, ShardLayout.build(cfg, tp), comm, plan, ranks=[ctx.rank], dtype=torch_dtype,
+                        progress=progress and ctx.is_main, device=ctx.device)
+        dist.check_agreement({"model": source.name, "config": cfg.to_dict(), "plan": plan.to_dict(), "tp": tp,
+                              "dtype": dtype, "exact_reduce": exact_reduce}, ctx)
+        rows = dist.gather_floats([model.weight_bytes() / 2**20, dist.peak_rss_mb(), rss0], ctx)
+        memory = {"full_copy_mb": full_copy_bytes(cfg, torch_dtype) / 2**20,
+                  "ranks": [{"rank": r, "weights_mb": w, "peak_rss_mb": p, "rss_before_load_mb": b}
+                            for r, (w, p, b) in enumerate(rows)]}
+        return Built(source, model, plan, ctx, memory)
     log.info("building %s at TP=%d, plan %s", source.name, tp, plan.summary())
-    model = simulated_model(cfg, source.reader.get, tp, plan, torch_dtype, progress=progress)
+    model = simulated_model(cfg, source.reader, tp, plan, torch_dtype, progress=progress)
     log.info("layout: %s", model.layout.describe())
     return Built(source, model, plan)

@@ -37,7 +37,8 @@ def test_tiny_greedy_matches_transformers(tiny_llama_dir) -> None:
 
 def test_smollm2_greedy_32_tokens_match_transformers(smollm2_source, smollm2_hf) -> None:
     tok = smollm2_source.load_tokenizer()
-    prompt = torch.tensor([tok("Tensor parallelism splits every layer of a neural network across several devices, so that", add_special_tokens=False)["input_ids"]])
+    text = "Tensor parallelism splits every layer of a neural network across several devices, so that"
+    prompt = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     # no EOS stopping on either side (min_new_tokens would instead *suppress* EOS in transformers)
     cfg = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
     ref = smollm2_hf.generate(prompt, generation_config=cfg)

@@ -18,25 +18,36 @@ from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import inv_frequencies, rope_tables
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.sharding import ShardLayout
-from syncdrop.parallel.weights import BlockWeights, TensorGetter, block_weights, local_geometry
+from syncdrop.parallel.weights import BlockWeights, TensorSource, block_weights, local_geometry
 from syncdrop.plan import SyncPlan
 
 
 class TPModel:
-    """A decoder-only LM split over ``layout.tp`` ranks, of which ``ranks`` are held here."""
+    """A decoder-only LM split over ``layout.tp`` ranks, of which ``ranks`` are held here.
+
+    ``weights``: a checkpoint reader (``get``, optionally ``get_rows``/``get_cols`` so that only the
+    local ranks' slices are read), a ``{name: tensor}`` dict, or a ``name -> tensor`` callable.
+    """
 
     def __init__(
         self,
         cfg: ModelConfig,
-        get: TensorGetter,
+        weights: object,
         layout: ShardLayout,
         comm: Communicator,
         plan: SyncPlan | None = None,
         ranks: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float32,
         progress: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.cfg, self.layout, self.comm, self.dtype = cfg, layout, comm, dtype
+        self.device = torch.device(device)
+        src = TensorSource(weights)
+
+        def get(name: str) -> torch.Tensor:
+            return src.get(name).to(self.device)
+
         self.geo = local_geometry(cfg, layout, ranks if ranks is not None else range(layout.tp))
         self.plan = plan or SyncPlan.uniform(cfg.num_layers)
         self.embed = get("embed").to(dtype)
@@ -44,13 +55,15 @@ class TPModel:
         self.final_norm_w = get("final_norm.weight").to(dtype)
         self.final_norm_b = get("final_norm.bias").to(dtype) if cfg.norm == "layer" else None
         self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head").to(dtype)
-        self.inv_freq = inv_frequencies(cfg) if cfg.uses_rope else None
+        self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
         layers = range(cfg.num_layers)
         if progress:
             from tqdm import tqdm
 
             layers = tqdm(layers, desc="sharding blocks", unit="block", leave=False)
-        self.blocks: list[BlockWeights] = [block_weights(get, cfg, self.geo, layout, i, dtype) for i in layers]
+        self.blocks: list[BlockWeights] = [
+            block_weights(src, cfg, self.geo, layout, i, dtype).to(self.device) for i in layers]
+        self.geo = self.geo.to(self.device)
 
     @property
     def plan(self) -> SyncPlan:
@@ -73,14 +86,14 @@ class TPModel:
             raise SyncdropError(f"sequence length {end} exceeds the model's {self.cfg.max_positions} positions")
         cos = sin = None
         if self.inv_freq is not None:
-            cos, sin = rope_tables(self.inv_freq, torch.arange(start, end), self.dtype)
+            cos, sin = rope_tables(self.inv_freq, torch.arange(start, end, device=self.device), self.dtype)
         return ForwardContext(batch, seq, cos, sin, start)
 
     def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
         """Empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (all blocks, local ranks)."""
         shape = (batch, self.geo.r * self.geo.kv, max_len, self.geo.head_dim)
-        return [LayerKV(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                for _ in self.blocks]
+        return [LayerKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.blocks]
 
     @torch.inference_mode()
     def hidden_states(self, ids: torch.Tensor, cache: list[LayerKV] | None = None, start: int = 0) -> torch.Tensor:
@@ -95,14 +108,23 @@ class TPModel:
         if cache is not None and start + S > cache[0].k.shape[2]:
             raise SyncdropError(f"KV cache holds {cache[0].k.shape[2]} positions, {start + S} requested")
         ctx = self._context(B, S, start)
+        ids = ids.to(self.device)
         x = self.embed[ids]  # (B, S, h)
         if self.pos_embed is not None:
-            x = x + self.pos_embed[torch.arange(start, start + S) + self.cfg.pos_offset]
+            x = x + self.pos_embed[torch.arange(start, start + S, device=self.device) + self.cfg.pos_offset]
         x = x.reshape(1, B * S, -1)  # (1, M, h): replicated on every rank
         for i, (w, sync) in enumerate(zip(self.blocks, self.plan.blocks, strict=True)):
             x = block_forward(x, w, self.geo, self.cfg, self.comm, ctx, sync.attn, cache[i] if cache else None)
         x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
         return x.view(B, S, -1)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held by this process (all local ranks, padding included)."""
+        ts = [self.embed, self.final_norm_w, *(t for b in self.blocks for t in b.tensors())]
+        ts += [t for t in (self.pos_embed, self.final_norm_b) if t is not None]
+        if self.lm_head is not self.embed:
+            ts.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(..., h)`` -> ``(..., V)`` with the (replicated) LM head."""
@@ -115,9 +137,9 @@ class TPModel:
 
 
 def simulated_model(
-    cfg: ModelConfig, get: TensorGetter, tp: int, plan: SyncPlan | None = None,
+    cfg: ModelConfig, weights: object, tp: int, plan: SyncPlan | None = None,
     dtype: torch.dtype = torch.float32, layout: ShardLayout | None = None, progress: bool = False,
 ) -> TPModel:
     """All ``tp`` ranks in this process (exact simulation)."""
     layout = layout or ShardLayout.build(cfg, tp)
-    return TPModel(cfg, get, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress)
+    return TPModel(cfg, weights, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress)

@@ -1,7 +1,7 @@
 """Per-rank weights of each block, stacked along a leading rank axis for batched execution.
 
 A process holds R *local* ranks: all N in the simulated executor, one in the distributed runtime.
-Ranks with fewer heads or channels than the largest local rank are zero-padded (exact: a padded
+Ranks with fewer heads or channels than the largest rank are zero-padded (exact: a padded
 query head has zero q weights and zero o_proj columns, so it contributes nothing; a padded MLP
 channel has zero gate/up rows and zero down columns).
 
@@ -18,6 +18,7 @@ Layouts (Q = max local q heads, K = max local KV heads, F = max local MLP channe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,33 @@ from syncdrop.parallel.sharding import ShardLayout, rank_indices
 
 # Reads one dense canonical tensor by name (lazily, from a checkpoint or a dict).
 TensorGetter = Callable[[str], torch.Tensor]
+
+
+class TensorSource:
+    """Reads canonical tensors, or only some rows/columns of them when the checkpoint reader can
+    (``get_rows``/``get_cols``: each rank of the distributed runtime reads only its own slices).
+
+    Built from a checkpoint reader or from a plain ``name -> tensor`` callable (a dict's
+    ``__getitem__``), for which slices are cut from the full tensor.
+    """
+
+    def __init__(self, src: object) -> None:
+        if isinstance(src, dict):
+            self.get: TensorGetter = src.__getitem__
+        elif hasattr(src, "get"):
+            self.get = src.get
+        elif callable(src):
+            self.get = src
+        else:
+            raise TypeError(f"weights must be a checkpoint reader, a dict or a callable, got {type(src).__name__}")
+        self._rows = getattr(src, "get_rows", None)
+        self._cols = getattr(src, "get_cols", None)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return self._rows(name, index) if self._rows else self.get(name)[index]
+
+    def cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return self._cols(name, index) if self._cols else self.get(name)[:, index]
 
 
 @dataclass
@@ -47,6 +75,15 @@ class BlockWeights:
     down_w: torch.Tensor
     down_b: torch.Tensor | None
 
+    def _fields(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]  # (astuple would deep-copy)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._fields() if t is not None]
+
+    def to(self, device: torch.device) -> BlockWeights:
+        return BlockWeights(*(t.to(device) if t is not None else None for t in self._fields()))
+
 
 @dataclass(frozen=True)
 class LocalGeometry:
@@ -65,12 +102,20 @@ class LocalGeometry:
     def r(self) -> int:
         return len(self.ranks)
 
+    def to(self, device: torch.device) -> LocalGeometry:
+        kv_map = self.kv_map.to(device) if self.kv_map is not None else None
+        return dataclasses.replace(self, kv_map=kv_map)
+
 
 def local_geometry(cfg: ModelConfig, layout: ShardLayout, ranks: Sequence[int]) -> LocalGeometry:
+    """Shapes for the local ranks, padded to the largest rank of the *whole* layout.
+
+    Padding to the global maximum (not just the local one) gives every rank the same GEMM shapes
+    in both executors, so the distributed runtime reproduces the simulation bit for bit; it costs
+    no latency, since the step waits for the largest rank anyway.
+    """
     sl = [layout.ranks[r] for r in ranks]
-    Q = max(len(s.q_heads) for s in sl)
-    K = max(len(s.kv_heads) for s in sl)
-    F = max(len(s.ffn) for s in sl)
+    Q, K, F = layout.max_q, layout.max_kv, layout.max_ffn
     kv_map = torch.zeros(len(sl) * Q, dtype=torch.long)
     for i, s in enumerate(sl):
         for j, kv in enumerate(s.kv_of_q):
@@ -105,11 +150,20 @@ def _row_weight(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
 
 
 def block_weights(
-    get: TensorGetter, cfg: ModelConfig, geo: LocalGeometry, layout: ShardLayout, layer: int,
+    src: TensorSource, cfg: ModelConfig, geo: LocalGeometry, layout: ShardLayout, layer: int,
     dtype: torch.dtype = torch.float32,
 ) -> BlockWeights:
-    """Slice, pad and stack block ``layer``'s dense weights for the local ranks."""
+    """Read, pad and stack block ``layer``'s slices for the local ranks (only those slices are read
+    when the source supports it)."""
     p = f"layers.{layer}."
+    get = src.get
+
+    def rows(name: str, key: str) -> list[torch.Tensor]:
+        return [src.rows(p + name, i[key]).to(dtype) for i in idx]
+
+    def cols(name: str, key: str) -> list[torch.Tensor]:
+        return [src.cols(p + name, i[key]).to(dtype) for i in idx]
+
     idx = [rank_indices(cfg, layout.ranks[r]) for r in geo.ranks]
     d = cfg.head_dim
     qkv_sizes = (geo.q * d, geo.kv * d, geo.kv * d)
@@ -117,25 +171,23 @@ def block_weights(
     def maybe(name: str, present: bool) -> torch.Tensor | None:
         return get(p + name).to(dtype) if present else None
 
-    wq, wk, wv = (get(p + f"{n}.weight").to(dtype) for n in ("q", "k", "v"))
-    qkv_w = _column_weight([[wq[i["q"]], wk[i["kv"]], wv[i["kv"]]] for i in idx], qkv_sizes)
-    qkv_b = None
-    if cfg.qkv_bias:
-        bq, bk, bv = (get(p + f"{n}.bias").to(dtype) for n in ("q", "k", "v"))
-        qkv_b = _column_bias([[bq[i["q"]], bk[i["kv"]], bv[i["kv"]]] for i in idx], qkv_sizes)
-    wo = get(p + "o.weight").to(dtype)
-    o_w = _row_weight([wo[:, i["o"]] for i in idx], geo.q * d)
+    def qkv(kind: str) -> list[list[torch.Tensor]]:
+        return [list(t) for t in zip(rows(f"q.{kind}", "q"), rows(f"k.{kind}", "kv"), rows(f"v.{kind}", "kv"),
+                                     strict=True)]
+
+    qkv_w = _column_weight(qkv("weight"), qkv_sizes)
+    qkv_b = _column_bias(qkv("bias"), qkv_sizes) if cfg.qkv_bias else None
+    o_w = _row_weight(cols("o.weight", "o"), geo.q * d)
 
     up_names = ("gate", "up") if cfg.gated_mlp else ("up",)
-    ups = [get(p + f"{n}.weight").to(dtype) for n in up_names]
     up_sizes = (geo.ffn,) * len(up_names)
-    up_w = _column_weight([[u[i["ffn"]] for u in ups] for i in idx], up_sizes)
-    up_b = None
-    if cfg.mlp_bias:
-        ubs = [get(p + f"{n}.bias").to(dtype) for n in up_names]
-        up_b = _column_bias([[b[i["ffn"]] for b in ubs] for i in idx], up_sizes)
-    wd = get(p + "down.weight").to(dtype)
-    down_w = _row_weight([wd[:, i["ffn"]] for i in idx], geo.ffn)
+
+    def ups(kind: str) -> list[list[torch.Tensor]]:
+        return [list(t) for t in zip(*(rows(f"{n}.{kind}", "ffn") for n in up_names), strict=True)]
+
+    up_w = _column_weight(ups("weight"), up_sizes)
+    up_b = _column_bias(ups("bias"), up_sizes) if cfg.mlp_bias else None
+    down_w = _row_weight(cols("down.weight", "ffn"), geo.ffn)
 
     ln = cfg.norm == "layer"
     return BlockWeights(
