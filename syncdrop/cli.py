@@ -36,15 +36,79 @@ def _add_model_args(p: argparse.ArgumentParser, distributed: bool = True) -> Non
         p.add_argument("--exact-reduce", action="store_true",
                        help="distributed: all-gather partials and sum in rank order (bitwise equal to the "
                             "simulation, N/2 x the traffic of a ring all-reduce)")
+        p.add_argument("--link-bandwidth", default=None,
+                       help="emulate a slow link: each all-reduce waits payload/bandwidth extra (e.g. 1GB/s)")
+        p.add_argument("--link-latency", default=None, help="emulated per-collective latency (e.g. 50us)")
         p.add_argument("--dist-timeout", type=float, default=60.0,
                        help="seconds before a collective waiting on a dead or hung rank fails (default 60)")
+
+
+def _link(args: argparse.Namespace):
+    from syncdrop.bench.link import Link, parse_bandwidth, parse_latency
+
+    bw = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
+    lat = parse_latency(args.link_latency) if args.link_latency else 0.0
+    return Link(bw, lat)
 
 
 def _build(args: argparse.Namespace, progress: bool = True):
     from syncdrop.runtime import build
 
     return build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant,
-                 progress=progress, dist_timeout=args.dist_timeout, exact_reduce=args.exact_reduce)
+                 progress=progress, dist_timeout=args.dist_timeout, exact_reduce=args.exact_reduce,
+                 link=_link(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from syncdrop.bench.latency import latency_bench, markdown_table
+    from syncdrop.eval.data import load_text
+    from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+    from syncdrop.parallel import dist
+    from syncdrop.plan import parse_plan, split_plan_list
+
+    for name in ("prompt_len", "decode_tokens", "reps", "batch"):
+        if getattr(args, name) < 1:
+            raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise SyncdropError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.tp > 1 and not dist.launched_by_torchrun():
+        raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
+    if args.executor == "hf":
+        raise SyncdropError("bench runs syncdrop's executors: use --executor auto")
+    specs = split_plan_list(args.plans)
+    link = _link(args)
+    built = _build(args, progress=False)
+    L = built.source.config.num_layers
+    plans = [(s, parse_plan(s, L, args.drop_variant)) for s in specs]
+    text = load_text(args.dataset, args.data_dir).text
+    n_chars = 40 * args.prompt_len * args.batch  # plenty of text for the prompt tokens
+    ids = built.source.load_tokenizer()(text[:n_chars], add_special_tokens=False)["input_ids"]
+    if len(ids) < args.prompt_len * args.batch:
+        raise SyncdropError(f"--dataset has fewer than {args.prompt_len * args.batch} tokens")
+    prompt = torch.tensor(ids[: args.prompt_len * args.batch]).view(args.batch, args.prompt_len)
+    barrier = (lambda: dist._guarded("barrier", torch.distributed.barrier)) if built.dist else (lambda: None)
+    res = latency_bench(built.model, plans, prompt, args.decode_tokens, args.reps, args.warmup, barrier,
+                        progress=built.is_main and not args.quiet)
+    if not built.is_main:
+        return 0
+    settings = {"model": built.source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": args.batch,
+                "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
+                "link": link.to_dict(), "link_description": link.describe(), "exact_reduce": args.exact_reduce,
+                "runtime": "distributed" if built.dist else "single-process",
+                "backend": built.dist.backend if built.dist else None,
+                "device": str(built.model.device), "threads_per_rank": torch.get_num_threads(),
+                "hidden_size": built.source.config.hidden_size, "num_layers": L}
+    table = markdown_table(res)
+    print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
+          f"{args.decode_tokens} decode tokens, link: {link.describe()}, median of {args.reps} interleaved reps")
+    print(table)
+    if args.json:
+        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": built.memory,
+                                      **res})
+        atomic_write_text(args.json.removesuffix(".json") + ".md", table)
+    return 0
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
@@ -163,6 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-special", action="store_true", help="print special tokens")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("bench", help="time to first token and decode latency per plan (real ranks)")
+    _add_model_args(p)
+    p.add_argument("--plans", default="none,all", help="comma-separated plan specs (default none,all)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dataset", default="auto", help="text the prompt is cut from (default auto)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--json", default=None, help="write results JSON (and a .md table beside it)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)
     p.set_defaults(func=cmd_info)
@@ -179,6 +257,12 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = resolve_model(args.model).config
     check_tp(cfg, args.tp)
     parse_plan(args.plan, cfg.num_layers, args.drop_variant)
+    _link(args)
+    if hasattr(args, "plans"):
+        from syncdrop.plan import split_plan_list
+
+        for spec in split_plan_list(args.plans):
+            parse_plan(spec, cfg.num_layers, args.drop_variant)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))

@@ -31,7 +31,7 @@ ATTN_MODES = ("full", "drop", "naive", "desync", "bias-in-sum")
 DROP_VARIANTS = ATTN_MODES[1:]
 MLP_MODES = ("full",)
 PLAN_FORMAT = "syncdrop-plan"
-PLAN_SPEC_HELP = "none | all | last:K | first:K | blocks:0,3,7 | PATH.json"
+PLAN_SPEC_HELP = "none | all | last:K | first:K | frac:F | blocks:0,3,7 | PATH.json"
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,10 @@ def _parse_int(text: str, what: str, spec: str) -> int:
 
 
 def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
-    """Build a plan from a CLI spec: ``none | all | last:K | first:K | blocks:0,3,7 | PATH.json``.
+    """Build a plan from a CLI spec: ``none | all | last:K | first:K | frac:F | blocks:0,3,7 | PATH.json``.
+
+    ``frac:F`` drops the last ``round(F * L)`` blocks (a fixed choice for latency work; a
+    sensitivity-guided plan file is what accuracy work should use).
 
     ``variant`` is what "dropped" means for the spec forms (``drop`` = the SPD block); a JSON file
     states its modes itself.
@@ -160,6 +163,15 @@ def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
             raise SyncdropError(f"plan {spec!r}: K must be between 0 and {num_blocks} (the number of blocks)")
         idx = range(num_blocks - k, num_blocks) if kind == "last" else range(k)
         return SyncPlan.dropping(num_blocks, idx, variant)
+    if s.startswith("frac:"):
+        try:
+            f = float(s[len("frac:"):])
+        except ValueError:
+            raise SyncdropError(f"malformed plan {spec!r}: F must be a number between 0 and 1") from None
+        if not 0 <= f <= 1:
+            raise SyncdropError(f"plan {spec!r}: F must be between 0 and 1")
+        k = round(f * num_blocks)
+        return SyncPlan.dropping(num_blocks, range(num_blocks - k, num_blocks), variant)
     if s.startswith("blocks:"):
         items = [t for t in s[len("blocks:"):].split(",") if t.strip()]
         if not items:
@@ -168,3 +180,19 @@ def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
     if s.endswith(".json") or Path(s).is_file():
         return SyncPlan.load(s, num_blocks)
     raise SyncdropError(f"malformed plan {spec!r}: expected {PLAN_SPEC_HELP}")
+
+
+def split_plan_list(text: str) -> list[str]:
+    """Split a comma-separated list of plan specs; bare integers continue a ``blocks:`` spec, so
+    ``"none,blocks:0,3,7,all"`` -> ``["none", "blocks:0,3,7", "all"]``."""
+    out: list[str] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if not tok:
+            continue
+        if tok.lstrip("-").isdigit() and out and out[-1].startswith("blocks:"):
+            out[-1] += "," + tok
+        else:
+            out.append(tok)
+    if not out:
+        raise SyncdropError(f"--plans {text!r}: list at least one plan")
+    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from syncdrop.bench.link import EmulatedLinkComm, Link
 from syncdrop.errors import SyncdropError
 from syncdrop.parallel.dist import DistContext
 from syncdrop.parallel.executor import TPModel, simulated_model
@@ -78,11 +79,12 @@ EXECUTORS = ("auto", "simulated", "hf")
 
 def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", executor: str = "auto",
           drop_variant: str = "drop", progress: bool = True, dist_timeout: float = 60.0,
-          exact_reduce: bool = False) -> Built:
+          exact_reduce: bool = False, link: Link | None = None) -> Built:
     """Resolve the model, validate TP and plan, and build the executor.
 
     ``auto``: the distributed runtime when this process was started by torchrun / ``--launch``
     (one rank per process, each reading only its own slices), else the simulated executor.
+    ``link``: wrap the communicator in a slow-link emulation.
     """
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel import dist
@@ -106,6 +108,7 @@ def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", exec
                                 "(torchrun --nproc-per-node, or --launch which starts --tp ranks)")
         rss0 = dist.peak_rss_mb()
         comm = dist.DistComm(tp, exact=exact_reduce)
+        comm = EmulatedLinkComm(comm, link) if link is not None and link.active else comm
         model = TPModel(cfg, source.reader, ShardLayout.build(cfg, tp), comm, plan, ranks=[ctx.rank], dtype=torch_dtype,
                         progress=progress and ctx.is_main, device=ctx.device)
         dist.check_agreement({"model": source.name, "config": cfg.to_dict(), "plan": plan.to_dict(), "tp": tp,
@@ -117,5 +120,7 @@ def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", exec
         return Built(source, model, plan, ctx, memory)
     log.info("building %s at TP=%d, plan %s", source.name, tp, plan.summary())
     model = simulated_model(cfg, source.reader, tp, plan, torch_dtype, progress=progress)
+    if link is not None and link.active:
+        model.comm = EmulatedLinkComm(model.comm, link)
     log.info("layout: %s", model.layout.describe())
     return Built(source, model, plan)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from syncdrop.errors import SyncdropError
-from syncdrop.plan import SyncPlan, parse_plan
+from syncdrop.plan import SyncPlan, parse_plan, split_plan_list
 
 
 def test_spec_forms() -> None:
@@ -20,6 +20,14 @@ def test_spec_forms() -> None:
     assert {b.attn for b in parse_plan("all", 4, "naive").blocks} == {"naive"}
     assert parse_plan("blocks:1", 4).blocks[1].attn == "drop"
     assert parse_plan("all", 4).spd_fraction == 1.0
+    assert parse_plan("frac:0.5", 6).dropped == [3, 4, 5]
+    assert parse_plan("frac:0", 6).dropped == [] and parse_plan("frac:1", 6).dropped == list(range(6))
+
+
+def test_plan_lists() -> None:
+    assert split_plan_list("none,blocks:0,3,7,all, last:2") == ["none", "blocks:0,3,7", "all", "last:2"]
+    with pytest.raises(SyncdropError, match="at least one plan"):
+        split_plan_list(" , ")
 
 
 def test_json_round_trip(tmp_path) -> None:
@@ -42,6 +50,8 @@ def test_json_round_trip(tmp_path) -> None:
         ("last:7", "between 0 and 6"),
         ("last:x", "must be an integer"),
         ("sometimes", "malformed plan"),
+        ("frac:1.5", "between 0 and 1"),
+        ("frac:x", "must be a number"),
         ("missing.json", "not found"),
     ],
 )

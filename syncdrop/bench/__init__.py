@@ -1,0 +1,1 @@
+"""Latency benchmark, slow-link emulation, cost model."""

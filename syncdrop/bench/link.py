@@ -1,0 +1,98 @@
+"""Slow-link *emulation*: make every collective cost ``latency + bytes / bandwidth`` extra.
+
+This is emulation, not a network simulator: after the real collective returns, the caller waits
+``latency + payload_bytes / bandwidth`` more, where the payload is the tensor handed to the
+all-reduce on this rank. The wait sleeps until ~0.2 ms before the deadline, then spins, which is
+accurate to a few microseconds on an idle core (plain ``time.sleep`` overshoots by 50-100 us).
+Use it to ask "what if our ranks talked over a link of this speed?" on one machine; the cost
+model (:mod:`syncdrop.bench.cost_model`) answers the same question for clusters analytically.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from syncdrop.errors import SyncdropError
+
+_UNITS_BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS_BITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
+_UNITS_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+SPIN_S = 2e-4
+
+
+def parse_bandwidth(text: str) -> float:
+    """``'1GB/s'``, ``'250MB/s'``, ``'10Gbit/s'``, ``'1.5GiB/s'`` -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-zA-Zµ]+)(?:/s|ps)?\s*", text)
+    unit = m.group(2).lower() if m else ""
+    scale = _UNITS_BYTES.get(unit) or _UNITS_BITS.get(unit)
+    if not m or scale is None or float(m.group(1)) <= 0:
+        raise SyncdropError(f"--link-bandwidth {text!r}: expected a positive rate like 1GB/s, 250MB/s or 10Gbit/s")
+    return float(m.group(1)) * scale
+
+
+def parse_latency(text: str) -> float:
+    """``'50us'``, ``'1ms'``, ``'0'`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([a-zA-Zµ]*)\s*", text)
+    unit = (m.group(2) or "s").lower() if m else ""
+    if not m or unit not in _UNITS_TIME:
+        raise SyncdropError(f"--link-latency {text!r}: expected a duration like 50us, 1ms or 0")
+    return float(m.group(1)) * _UNITS_TIME[unit]
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated link: ``bandwidth`` in bytes/s (None = infinite), ``latency`` in seconds."""
+
+    bandwidth: float | None = None
+    latency: float = 0.0
+
+    def delay(self, nbytes: int) -> float:
+        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+    @property
+    def active(self) -> bool:
+        return self.bandwidth is not None or self.latency > 0
+
+    def describe(self) -> str:
+        if not self.active:
+            return "no emulation"
+        bw = f"{self.bandwidth / 1e6:.0f} MB/s" if self.bandwidth else "inf bandwidth"
+        return f"{bw}, {self.latency * 1e6:.0f} us"
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_Bps": self.bandwidth, "latency_s": self.latency}
+
+
+def wait(seconds: float) -> None:
+    """Wait precisely: sleep until ``SPIN_S`` before the deadline, then spin."""
+    deadline = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class EmulatedLinkComm:
+    """Wraps a communicator; each all-reduce then waits ``link.delay(payload bytes)`` more."""
+
+    def __init__(self, inner, link: Link) -> None:
+        self.inner, self.link = inner, link
+        self.tp = inner.tp
+        self.waited_s = 0.0
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner.all_reduce(x)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        d = self.link.delay(x.numel() * x.element_size() // max(1, x.shape[0]))  # one rank's payload
+        wait(d)
+        self.waited_s += d
+        return out
