@@ -241,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_bench)
 
+    from syncdrop.bench.predict import add_parser as add_predict_parser
+
+    add_predict_parser(sub)
+
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)
     p.set_defaults(func=cmd_info)

@@ -141,3 +141,46 @@ def test_tp_must_match_world_size(tiny_llama_dir, long_text) -> None:
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 2 and "--tp 3 but the job has 2 ranks" in err
+
+
+def test_bench_and_generate_under_launch(tiny_llama_dir, long_text, tmp_path: Path) -> None:
+    """bench writes the documented fields; generate prints only on rank 0; all ranks agree."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "syncdrop", "bench", "--launch", "--model", str(tiny_llama_dir),
+                        "--tp", "2", "--plans", "none,blocks:0,all", "--prompt-len", "16", "--decode-tokens", "3",
+                        "--reps", "2", "--warmup", "0", "--dataset", str(long_text), "--link-latency", "20us",
+                        "--json", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    res = json.loads(out.read_text())
+    assert [p["plan"] for p in res["plans"]] == ["none", "blocks:0", "all"]
+    for p in res["plans"]:
+        for key in ("plan", "spd_fraction", "ttft_ms", "decode_ms", "ideal_saving_ms", "realised_over_ideal"):
+            assert key in p
+        assert len(p["ttft_samples_ms"]) == 2
+    assert res["settings"]["link"]["latency_s"] == 2e-5
+    assert res["memory"]["ranks"][1]["weights_mb"] < res["memory"]["full_copy_mb"]
+    assert (tmp_path / "bench.md").is_file()
+
+    g = subprocess.run([sys.executable, "-m", "syncdrop", "generate", "--launch", "--model", str(tiny_llama_dir),
+                        "--tp", "2", "--plan", "all", "--prompt", "the quick brown fox", "--max-new-tokens", "8",
+                        "--temperature", "0.8", "--seed", "3"], capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.count("the quick brown fox") == 1  # rank 0 only
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--tp", "2"], "add --launch"),
+        (["bench", "--launch", "--tp", "2", "--link-bandwidth", "fast"], "--link-bandwidth 'fast'"),
+        (["bench", "--launch", "--tp", "2", "--link-latency", "soon"], "--link-latency 'soon'"),
+        (["bench", "--launch", "--tp", "2", "--plans", "none,sideways"], "malformed plan"),
+        (["generate", "--launch", "--tp", "9", "--prompt", "x"], "exceeds the model's 6 query heads"),
+    ],
+)
+def test_bad_distributed_flags_exit_2(tiny_llama_dir, args, message) -> None:
+    r = subprocess.run([sys.executable, "-m", "syncdrop", *args, "--model", str(tiny_llama_dir)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,632 @@
+"""Analytical latency model of tensor-parallel inference with fewer sync points.
+
+Time of one forward on ``N`` ranks = compute of the slowest rank + the all-reduces it waits for::
+
+    T_forward = T_compute + n_ar * T_ar(payload_bytes, N)
+
+Communication (one all-reduce of ``n`` bytes per rank, ring algorithm, alpha-beta model)::
+
+    T_ring(n, N) = 2 (N - 1) * alpha + 2 (N - 1) / N * n / beta      (N = 1: 0)
+
+``alpha`` = per-step latency (s), ``beta`` = link bandwidth (bytes/s). A ring all-reduce is a
+reduce-scatter plus an all-gather, ``N - 1`` steps each, every step moving ``n / N`` bytes. An
+*emulated* slow link (:mod:`syncdrop.bench.link`) adds, after the real collective, exactly::
+
+    T_emu(n) = latency + n / bandwidth        (n = one rank's payload, as link.py computes it)
+
+so ``T_ar = T_ring + T_emu``. The payload is ``B * S * h * bytes_per_element`` in prefill and
+``B * h * bytes_per_element`` per decode step.
+
+Sync points: each block all-reduces after attention and after the MLP; an SPD block drops the
+first, so with an SPD fraction ``f`` of ``L`` blocks::
+
+    n_ar = 2 L - round(f L)           (same rounding as the ``frac:F`` plan spec)
+
+Compute (FLOPs of the *slowest* rank; a multiply-add = 2 FLOPs; ``q, kv`` = that rank's query and
+KV heads, ``I_r`` its MLP channels, ``d`` = head dim, ``B`` sequences)::
+
+    P_layer = h*q*d (Q) + 2*h*kv*d (K, V) + q*d*h (O) + (3 if gated else 2) * h * I_r   (weights)
+    prefill of S tokens:
+      matmuls   = 2 * L * P_layer * B * S
+      attention = 4 * L * q * d * B * S (S + 1) / 2     (QK^T and AV, causal: S(S+1)/2 pairs)
+      LM head   = 2 * h * V * B                         (last position only: that is what TTFT
+                                                          needs; divided by N if vocab-parallel)
+    decode step at context c (keys incl. the new token):
+      matmuls   = 2 * L * P_layer * B,  attention = 4 * L * q * d * B * c,  LM head = 2 * h * V * B
+
+Norms, RoPE, activations, softmax, embedding lookups and sampling are not counted (they are
+O(S h), not O(S h^2)); the per-layer overhead term absorbs them. The compute time is a roofline
+plus a fixed per-layer overhead::
+
+    T_compute = max(FLOPs / F_eff, bytes_read / HBM_eff) + L * t_layer
+
+``F_eff`` = effective FLOP/s of one rank (peak x MFU on a GPU, fitted on a CPU); ``bytes_read`` =
+that rank's weights (+ KV cache in decode) read once per forward; the memory term is used only
+when ``HBM_eff`` is given (cluster predictions), the calibrated CPU model uses ``F_eff`` and
+``t_layer`` alone.
+
+A sync point inside a forward can cost more than an isolated all-reduce: ranks drift apart
+between sync points (uneven shards, OS scheduling on a shared CPU) and the early rank waits. The
+model carries that as a fixed ``t_sync`` per sync point (0 for clusters)::
+
+    T_ar = T_ring + T_emu + t_sync
+
+Calibration (:func:`calibrate`) fits ``alpha, beta`` to the all-reduce medians of bench files run
+*without* link emulation, then ``1 / F_eff``, ``t_layer`` and ``t_sync`` by non-negative relative
+least squares to ``T_measured - n_ar * T_ring = FLOPs / F_eff + L t_layer + n_ar t_sync`` over
+every plan's TTFT and decode step of those files (plans differ in ``n_ar``, prefill and decode in
+FLOPs, which is what separates the three). Predictions for emulated-link files (:func:`check`)
+then add ``T_emu`` per all-reduce; nothing is fitted on the emulated runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from syncdrop.errors import SyncdropError
+from syncdrop.models.config import ModelConfig
+
+# --------------------------------------------------------------------------------------------
+# Architectures
+
+
+def _llama(arch: str, vocab: int, h: int, layers: int, heads: int, kv: int, ffn: int, tie: bool = False,
+           **kw: Any) -> ModelConfig:
+    return ModelConfig(family="llama", arch=arch, vocab_size=vocab, hidden_size=h, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv, head_dim=h // heads, intermediate_size=ffn,
+                       tie_embeddings=tie, **kw)
+
+
+MODELS: dict[str, ModelConfig] = {
+    # Shapes from the models' config.json (LLaMA2: Touvron et al. 2023; SmolLM2-135M: the GGUF header).
+    "smollm2": _llama("LlamaForCausalLM", 49152, 576, 30, 9, 3, 1536, tie=True, rope_theta=100000.0,
+                      max_positions=8192),
+    "llama2-7b": _llama("LlamaForCausalLM", 32000, 4096, 32, 32, 32, 11008, max_positions=4096),
+    "llama2-13b": _llama("LlamaForCausalLM", 32000, 5120, 40, 40, 40, 13824, max_positions=4096),
+    "llama2-70b": _llama("LlamaForCausalLM", 32000, 8192, 80, 64, 8, 28672, max_positions=4096),
+}
+
+
+def get_model(name: str) -> ModelConfig:
+    """A named architecture (:data:`MODELS`); raises :class:`SyncdropError` naming the choices."""
+    key = name.strip().lower()
+    if key not in MODELS:
+        raise SyncdropError(f"--cluster {name!r}: unknown model; choose one of {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def _bench_model_config(name: str, hidden: int, layers: int, where: str) -> ModelConfig:
+    """Architecture of a bench file's model: a named one, else resolved like ``--model`` (reads a header)."""
+    cfg = MODELS.get(name)
+    if cfg is None:
+        from syncdrop.models.loading import resolve_model
+
+        try:
+            cfg = resolve_model(name).config
+        except SyncdropError as e:
+            raise SyncdropError(f"{where}: cannot get the architecture of model {name!r} ({e})") from None
+    if (cfg.hidden_size, cfg.num_layers) != (hidden, layers):
+        raise SyncdropError(f"{where}: model {name!r} has h={cfg.hidden_size}, L={cfg.num_layers} but the file's "
+                            f"settings say h={hidden}, L={layers}")
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Communication
+
+
+def ring_allreduce_time(n_bytes: float, n_ranks: int, alpha: float, beta: float) -> float:
+    """``2(N-1) alpha + 2(N-1)/N * n_bytes / beta`` seconds; 0 for one rank."""
+    if n_ranks <= 1:
+        return 0.0
+    return 2 * (n_ranks - 1) * alpha + 2 * (n_ranks - 1) / n_ranks * n_bytes / beta
+
+
+def emulated_delay(n_bytes: float, bandwidth: float | None, latency: float) -> float:
+    """Extra wait of an emulated link per collective: ``latency + n_bytes / bandwidth`` (as link.py)."""
+    return latency + (n_bytes / bandwidth if bandwidth else 0.0)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Ring all-reduce over a link (``alpha`` s per step, ``beta`` bytes/s), an optional emulated
+    link, and ``sync_s``: a fixed extra cost per sync point *inside a forward* (ranks that drift
+    apart between sync points wait for each other there; 0 on a cluster, fitted on a loaded CPU)."""
+
+    alpha: float
+    beta: float
+    emu_bandwidth: float | None = None
+    emu_latency: float = 0.0
+    sync_s: float = 0.0
+
+    def collective(self, n_bytes: float, n_ranks: int) -> float:
+        """One isolated all-reduce: ``T_ring + T_emu`` (what the bench's all-reduce timing measures)."""
+        t = ring_allreduce_time(n_bytes, n_ranks, self.alpha, self.beta)
+        if n_ranks > 1:
+            t += emulated_delay(n_bytes, self.emu_bandwidth, self.emu_latency)
+        return t
+
+    def allreduce(self, n_bytes: float, n_ranks: int) -> float:
+        """One sync point of a forward: ``T_ring + T_emu + sync_s`` (0 for one rank)."""
+        return self.collective(n_bytes, n_ranks) + (self.sync_s if n_ranks > 1 else 0.0)
+
+    def with_emulation(self, bandwidth: float | None, latency: float) -> CommModel:
+        return dataclasses.replace(self, emu_bandwidth=bandwidth, emu_latency=latency)
+
+
+# --------------------------------------------------------------------------------------------
+# Compute
+
+
+def allreduces_per_forward(num_layers: int, spd_fraction: float) -> int:
+    """``2 L - round(f L)``: two sync points per block, one fewer per SPD block."""
+    if not 0 <= spd_fraction <= 1:
+        raise SyncdropError(f"SPD fraction must be between 0 and 1, got {spd_fraction}")
+    return 2 * num_layers - round(spd_fraction * num_layers)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What the slowest rank computes per block: query heads, KV heads, MLP channels."""
+
+    q_heads: int
+    kv_heads: int
+    ffn: int
+
+
+def rank_share(cfg: ModelConfig, n_ranks: int) -> RankShare:
+    """The largest share any rank gets under syncdrop's sharding rule (contiguous near-equal splits,
+    each rank keeps the KV heads its query heads read)."""
+    if n_ranks < 1 or n_ranks > cfg.num_heads:
+        raise SyncdropError(f"--gpus {n_ranks}: must be between 1 and the model's {cfg.num_heads} query heads")
+    g = cfg.group_size
+    base, extra = divmod(cfg.num_heads, n_ranks)
+    start, q_max, kv_max = 0, 0, 0
+    for r in range(n_ranks):
+        size = base + (1 if r < extra else 0)
+        heads = range(start, start + size)
+        start += size
+        q_max = max(q_max, size)
+        kv_max = max(kv_max, len({hd // g for hd in heads}))
+    return RankShare(q_max, kv_max, math.ceil(cfg.intermediate_size / n_ranks))
+
+
+def layer_weights(cfg: ModelConfig, share: RankShare) -> int:
+    """Weight-matrix elements of one block on the rank with ``share`` (biases and norms ignored)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * share.q_heads * d + 2 * h * share.kv_heads * d + share.q_heads * d * h
+    mlp = (3 if cfg.gated_mlp else 2) * h * share.ffn
+    return attn + mlp
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs and bytes read by the slowest rank for one forward."""
+
+    matmul_flops: float
+    attn_flops: float
+    head_flops: float
+    bytes_read: float
+    layers: int
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.attn_flops + self.head_flops
+
+
+def prefill_work(cfg: ModelConfig, n_ranks: int, seq: int, batch: int = 1, dtype_bytes: int = 4,
+                 lm_head_parallel: bool = False) -> Work:
+    """The prefill of ``batch`` prompts of ``seq`` tokens plus the LM head on the last position."""
+    share = rank_share(cfg, n_ranks)
+    L, h, d, V = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    w = layer_weights(cfg, share)
+    head = 2 * h * V * batch / (n_ranks if lm_head_parallel else 1)
+    head_w = h * V / (n_ranks if lm_head_parallel else 1)
+    return Work(matmul_flops=2.0 * L * w * batch * seq,
+                attn_flops=4.0 * L * share.q_heads * d * batch * seq * (seq + 1) / 2,
+                head_flops=head, bytes_read=(L * w + head_w) * dtype_bytes, layers=L)
+
+
+def decode_work(cfg: ModelConfig, n_ranks: int, context: int, batch: int = 1, dtype_bytes: int = 4,
+                lm_head_parallel: bool = False) -> Work:
+    """One decode step whose new token attends to ``context`` keys (itself included)."""
+    share = rank_share(cfg, n_ranks)
+    L, h, d, V = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    w = layer_weights(cfg, share)
+    head_w = h * V / (n_ranks if lm_head_parallel else 1)
+    kv_bytes = 2 * L * share.kv_heads * d * context * batch * dtype_bytes
+    return Work(matmul_flops=2.0 * L * w * batch, attn_flops=4.0 * L * share.q_heads * d * batch * context,
+                head_flops=2 * head_w * batch, bytes_read=(L * w + head_w) * dtype_bytes + kv_bytes, layers=L)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """``max(FLOPs / flops_per_s, bytes / mem_bw) + layers * layer_overhead_s`` for one rank."""
+
+    flops_per_s: float
+    layer_overhead_s: float = 0.0
+    mem_bw: float | None = None
+
+    def time(self, work: Work) -> float:
+        t = work.flops / self.flops_per_s
+        if self.mem_bw:
+            t = max(t, work.bytes_read / self.mem_bw)
+        return t + work.layers * self.layer_overhead_s
+
+
+def predict_ttft(cfg: ModelConfig, n_ranks: int, seq: int, n_allreduce: int, compute: ComputeModel,
+                 comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False) -> float:
+    """Seconds to first token: prefill compute + ``n_allreduce`` all-reduces of ``(B*S, h)``."""
+    work = prefill_work(cfg, n_ranks, seq, batch, dtype_bytes, lm_head_parallel)
+    payload = batch * seq * cfg.hidden_size * dtype_bytes
+    return compute.time(work) + n_allreduce * comm.allreduce(payload, n_ranks)
+
+
+def predict_decode(cfg: ModelConfig, n_ranks: int, context: int, n_allreduce: int, compute: ComputeModel,
+                   comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False) -> float:
+    """Seconds per decode step at ``context`` keys: compute + ``n_allreduce`` all-reduces of ``(B, h)``."""
+    work = decode_work(cfg, n_ranks, context, batch, dtype_bytes, lm_head_parallel)
+    payload = batch * cfg.hidden_size * dtype_bytes
+    return compute.time(work) + n_allreduce * comm.allreduce(payload, n_ranks)
+
+
+# --------------------------------------------------------------------------------------------
+# Bench files
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """The parts of a ``syncdrop bench`` JSON file the model uses (times in seconds)."""
+
+    path: str
+    model: str
+    cfg: ModelConfig
+    tp: int
+    prompt_len: int
+    batch: int
+    decode_tokens: int
+    dtype_bytes: int
+    emu_bandwidth: float | None
+    emu_latency: float
+    threads_per_rank: int | None
+    allreduce: dict[str, tuple[int, float]]  # phase -> (bytes, median seconds)
+    plans: list[dict[str, Any]]  # plan, spd_fraction, allreduces_per_forward, ttft_s, decode_s
+
+    @property
+    def emulated(self) -> bool:
+        return self.emu_bandwidth is not None or self.emu_latency > 0
+
+    @property
+    def link_label(self) -> str:
+        if not self.emulated:
+            return "none"
+        bw = f"{self.emu_bandwidth / 1e6:g}MB/s" if self.emu_bandwidth else "inf"
+        return f"{bw}+{self.emu_latency * 1e6:g}us"
+
+    @property
+    def decode_context(self) -> float:
+        """Mean keys per timed decode step: bench times steps i = 1..decode_tokens, step i sees S + i keys."""
+        return self.prompt_len + (self.decode_tokens + 1) / 2
+
+
+def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
+    """Read and validate a bench result; errors name ``arg`` and the file."""
+    p = Path(path)
+    where = f"{arg} {str(path)!r}"
+    if not p.is_file():
+        raise SyncdropError(f"{where}: no such file")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise SyncdropError(f"{where}: malformed JSON ({e})") from None
+    try:
+        s = d["settings"]
+        ar = {ph: (int(d["allreduce"][ph]["bytes"]), float(d["allreduce"][ph]["median_ms"]) / 1e3)
+              for ph in ("prefill", "decode")}
+        plans = [{"plan": str(r["plan"]), "spd_fraction": float(r["spd_fraction"]),
+                  "allreduces_per_forward": int(r["allreduces_per_forward"]),
+                  "ttft_s": float(r["ttft_ms"]) / 1e3, "decode_s": float(r["decode_ms"]) / 1e3}
+                 for r in d["plans"]]
+        link = s.get("link") or {}
+        run = BenchRun(
+            path=str(path), model=str(s["model"]), cfg=None, tp=int(s["tp"]),  # type: ignore[arg-type]
+            prompt_len=int(s["prompt_len"]), batch=int(s["batch"]), decode_tokens=int(s["decode_tokens"]),
+            dtype_bytes=_DTYPE_BYTES[s.get("dtype", "float32")],
+            emu_bandwidth=float(link["bandwidth_Bps"]) if link.get("bandwidth_Bps") else None,
+            emu_latency=float(link.get("latency_s") or 0.0),
+            threads_per_rank=s.get("threads_per_rank"), allreduce=ar, plans=plans)
+        hidden, layers = int(s["hidden_size"]), int(s["num_layers"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SyncdropError(f"{where}: not a syncdrop bench result (bad or missing {e})") from None
+    if not plans or run.tp < 1 or run.prompt_len < 1 or run.batch < 1:
+        raise SyncdropError(f"{where}: not a syncdrop bench result (no plans, or tp/prompt_len/batch < 1)")
+    times = [t for _, t in ar.values()] + [p[k] for p in plans for k in ("ttft_s", "decode_s")]
+    if not all(math.isfinite(t) and t > 0 for t in times):
+        raise SyncdropError(f"{where}: not a usable bench result (a time is zero, negative or not finite)")
+    cfg = _bench_model_config(run.model, hidden, layers, where)
+    return dataclasses.replace(run, cfg=cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration
+
+
+def _nnls(X: list[list[float]], y: list[float]) -> list[float]:
+    """``argmin ||X c - y||^2`` subject to ``c >= 0`` (exhaustive over the sets of free coefficients;
+    fine for the 2-3 unknowns here)."""
+    import numpy as np
+
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    k = A.shape[1]
+    best, best_sse = np.zeros(k), float(b @ b)
+    for mask in range(1, 2**k):
+        idx = [j for j in range(k) if mask >> j & 1]
+        sub = A[:, idx]
+        if np.linalg.matrix_rank(sub) < len(idx):
+            continue
+        c = np.linalg.lstsq(sub, b, rcond=None)[0]
+        if (c < 0).any():
+            continue
+        full = np.zeros(k)
+        full[idx] = c
+        sse = float(((A @ full - b) ** 2).sum())
+        if sse < best_sse * (1 - 1e-12):
+            best, best_sse = full, sse
+    return [float(v) for v in best]
+
+
+def fit_alpha_beta(points: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """``alpha, beta`` of the ring model from ``(bytes, N, seconds)`` samples, relative least squares.
+
+    With ``x1 = 2(N-1)``, ``x2 = 2(N-1)/N * bytes`` the model is linear, ``T = alpha x1 + x2 / beta``;
+    each row is divided by the measured time so small and large payloads weigh alike. Two payload
+    sizes (the bench's prefill and decode) determine both exactly; more sizes are least squares.
+    """
+    rows = [(2 * (n - 1) / t, 2 * (n - 1) / n * b / t) for b, n, t in points if n > 1 and t > 0]
+    if not rows:
+        raise SyncdropError("--calibrate: no all-reduce timings with more than one rank to fit alpha/beta")
+    alpha, inv_beta = _nnls([list(r) for r in rows], [1.0] * len(rows))
+    return alpha, (1.0 / inv_beta if inv_beta > 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class ComputePoint:
+    """One measured forward: its work, its sync points, the ring time of one of them, the seconds."""
+
+    work: Work
+    n_allreduce: int
+    ring_s: float
+    measured_s: float
+
+
+def fit_compute(points: list[ComputePoint], fit_overhead: bool = True,
+                fit_sync: bool = True) -> tuple[ComputeModel, float]:
+    """``(ComputeModel(F_eff, t_layer), sync_s)`` by relative non-negative least squares on
+
+    ``T_measured - n_ar * T_ring = FLOPs * (1/F_eff) + L * t_layer + n_ar * sync_s``.
+
+    ``t_layer`` is fitted only when the FLOP counts differ (prefill and decode points, or several
+    prompt lengths) and ``fit_overhead``; ``sync_s`` only when the sync-point counts differ (several
+    plans) and ``fit_sync``.
+    """
+    pts = [p for p in points if p.measured_s > 0]
+    if not pts:
+        raise SyncdropError("--calibrate: no measured forwards to fit the compute rate")
+    use_o = fit_overhead and len({round(p.work.flops) for p in pts}) > 1
+    use_s = fit_sync and len({p.n_allreduce for p in pts}) > 1
+    X = [[p.work.flops / p.measured_s, (p.work.layers if use_o else 0.0) / p.measured_s,
+          (p.n_allreduce if use_s else 0.0) / p.measured_s] for p in pts]
+    y = [(p.measured_s - p.n_allreduce * p.ring_s) / p.measured_s for p in pts]
+    inv_f, o, sync = _nnls(X, y)
+    if inv_f <= 0:
+        raise SyncdropError("--calibrate: could not fit a positive compute rate (all-reduces explain "
+                            "all the measured time?)")
+    return ComputeModel(1.0 / inv_f, o), sync
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A CPU cost model fitted to bench files without link emulation."""
+
+    alpha: float
+    beta: float
+    sync_s: float
+    compute: ComputeModel
+    files: tuple[str, ...]
+    allreduce_points: int
+    compute_points: int
+
+    @property
+    def comm(self) -> CommModel:
+        return CommModel(self.alpha, self.beta, sync_s=self.sync_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": list(self.files), "alpha_s": self.alpha, "beta_Bps": self.beta,
+                "sync_overhead_s": self.sync_s, "flops_per_s": self.compute.flops_per_s,
+                "layer_overhead_s": self.compute.layer_overhead_s,
+                "allreduce_points": self.allreduce_points, "compute_points": self.compute_points}
+
+
+def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = True,
+              use_decode: bool = True) -> Calibration:
+    """Fit ``alpha, beta`` then the compute model (and per-sync-point overhead) to un-emulated runs:
+    every plan's TTFT, and its decode step when ``use_decode`` (see the module docstring)."""
+    if not runs:
+        raise SyncdropError("--calibrate: give at least one bench file")
+    for r in runs:
+        if r.emulated:
+            raise SyncdropError(f"--calibrate {r.path!r}: was run with link emulation ({r.link_label}); "
+                                "calibrate on runs without --link-bandwidth/--link-latency")
+    ar_pts = [(b, r.tp, t) for r in runs for b, t in r.allreduce.values()]
+    alpha, beta = fit_alpha_beta(ar_pts)
+    comm = CommModel(alpha, beta)
+    pts: list[ComputePoint] = []
+    for r in runs:
+        pre = prefill_work(r.cfg, r.tp, r.prompt_len, r.batch, r.dtype_bytes)
+        dec = decode_work(r.cfg, r.tp, round(r.decode_context), r.batch, r.dtype_bytes)
+        t_pre = comm.collective(r.batch * r.prompt_len * r.cfg.hidden_size * r.dtype_bytes, r.tp)
+        t_dec = comm.collective(r.batch * r.cfg.hidden_size * r.dtype_bytes, r.tp)
+        for p in r.plans:
+            n = p["allreduces_per_forward"]
+            pts.append(ComputePoint(pre, n, t_pre, p["ttft_s"]))
+            if use_decode and r.decode_tokens >= 1:
+                pts.append(ComputePoint(dec, n, t_dec, p["decode_s"]))
+    compute, sync = fit_compute(pts, fit_overhead, fit_sync)
+    return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts))
+
+
+def check(cal: Calibration, runs: list[BenchRun]) -> list[dict[str, Any]]:
+    """Predicted vs measured TTFT and decode step of every plan of ``runs`` (emulated link added)."""
+    rows = []
+    for r in runs:
+        comm = cal.comm.with_emulation(r.emu_bandwidth, r.emu_latency)
+        for phase, (b, t) in r.allreduce.items():
+            pred = comm.collective(b, r.tp)
+            rows.append({"file": r.path, "link": r.link_label, "prompt_len": r.prompt_len, "what": f"allreduce:{phase}",
+                         "plan": "-", "spd_fraction": None, "allreduces_per_forward": None,
+                         "measured_ms": t * 1e3, "predicted_ms": pred * 1e3, "rel_err": pred / t - 1,
+                         "calibration": r.path in cal.files})
+        for p in r.plans:
+            n = p["allreduces_per_forward"]
+            ttft = predict_ttft(r.cfg, r.tp, r.prompt_len, n, cal.compute, comm, r.batch, r.dtype_bytes)
+            dec = predict_decode(r.cfg, r.tp, round(r.decode_context), n, cal.compute, comm, r.batch, r.dtype_bytes)
+            for what, pred, meas in (("ttft", ttft, p["ttft_s"]), ("decode", dec, p["decode_s"])):
+                rows.append({"file": r.path, "link": r.link_label, "prompt_len": r.prompt_len, "what": what,
+                             "plan": p["plan"], "spd_fraction": p["spd_fraction"], "allreduces_per_forward": n,
+                             "measured_ms": meas * 1e3, "predicted_ms": pred * 1e3, "rel_err": pred / meas - 1,
+                             "calibration": r.path in cal.files})
+    return rows
+
+
+def check_summary(rows: list[dict[str, Any]], tolerance: float = 0.15) -> dict[str, Any]:
+    """Worst and median |relative error| of TTFT predictions on held-out (non-calibration) files."""
+    held = [abs(r["rel_err"]) for r in rows if r["what"] == "ttft" and not r["calibration"]]
+    fit = [abs(r["rel_err"]) for r in rows if r["what"] == "ttft" and r["calibration"]]
+    out: dict[str, Any] = {"tolerance": tolerance}
+    for name, xs in (("heldout_ttft", held), ("calibration_ttft", fit)):
+        out[name] = ({"n": len(xs), "max_abs_rel_err": max(xs), "median_abs_rel_err": statistics.median(xs),
+                      "within_tolerance": max(xs) <= tolerance} if xs else {"n": 0})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster prediction
+
+
+@dataclass(frozen=True)
+class ClusterLink:
+    """A TP interconnect: bandwidth ``beta`` (bytes/s) and per-step latency ``alpha`` (s)."""
+
+    label: str
+    beta: float
+    alpha: float
+
+
+# Per-step latency by bandwidth class (the fastest class whose bandwidth the link reaches). A ring
+# over 8 ranks pays 14 alpha, so these give 14-28 us (NVLink, ~NCCL's small-message all-reduce on
+# an 8x A100 box), ~70 us (InfiniBand between nodes) and ~140 us (PCIe without peer-to-peer:
+# every step bounces through host memory).
+ALPHA_BY_CLASS: tuple[tuple[float, float, str], ...] = (
+    (100e9, 1.5e-6, "NVLink-class"),
+    (25e9, 5e-6, "inter-node InfiniBand-class"),
+    (0.0, 10e-6, "PCIe without P2P-class"),
+)
+
+
+def default_alpha(beta: float) -> tuple[float, str]:
+    for bw, alpha, name in ALPHA_BY_CLASS:
+        if beta >= bw:
+            return alpha, name
+    return ALPHA_BY_CLASS[-1][1], ALPHA_BY_CLASS[-1][2]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Hardware assumptions for :func:`cluster_predict` (defaults: A100-80GB, bf16)."""
+
+    peak_flops: float = 312e12  # A100 dense bf16 tensor-core peak
+    mfu: float = 0.5  # fraction of peak the GEMMs reach when compute-bound
+    hbm_bw: float = 1.5e12  # effective HBM bandwidth (2.04 TB/s peak x ~75% achievable streaming)
+    layer_overhead_s: float = 0.0
+    dtype_bytes: int = 2  # bf16 weights, activations and all-reduce payloads
+
+    def compute(self) -> ComputeModel:
+        return ComputeModel(self.peak_flops * self.mfu, self.layer_overhead_s, self.hbm_bw)
+
+
+def cluster_predict(cfg: ModelConfig, gpus: int, links: list[ClusterLink], prompt_lens: list[int],
+                    fractions: list[float], spec: ClusterSpec = ClusterSpec(), batch: int = 1,
+                    gen_tokens: int = 128) -> list[dict[str, Any]]:
+    """TTFT, decode step and end-to-end latency (TTFT + (gen_tokens - 1) decode steps at the mean
+    context) for every link x prompt length x SPD fraction; reductions are relative to SPD 0%.
+    The LM head is vocab-parallel (Megatron), its small logits gather is ignored."""
+    compute = spec.compute()
+    rows = []
+    for link in links:
+        comm = CommModel(link.alpha, link.beta)
+        for S in prompt_lens:
+            ctx = S + max(gen_tokens, 1) // 2
+            base = None
+            pre_w = prefill_work(cfg, gpus, S, batch, spec.dtype_bytes, lm_head_parallel=True)
+            dec_w = decode_work(cfg, gpus, ctx, batch, spec.dtype_bytes, lm_head_parallel=True)
+            for f in fractions:
+                n = allreduces_per_forward(cfg.num_layers, f)
+                ttft = predict_ttft(cfg, gpus, S, n, compute, comm, batch, spec.dtype_bytes, True)
+                dec = predict_decode(cfg, gpus, ctx, n, compute, comm, batch, spec.dtype_bytes, True)
+                e2e = ttft + max(gen_tokens - 1, 0) * dec
+                ar_pre = comm.allreduce(batch * S * cfg.hidden_size * spec.dtype_bytes, gpus)
+                if base is None:
+                    base = (ttft, dec, e2e)
+                rows.append({
+                    "link": link.label, "beta_Bps": link.beta, "alpha_s": link.alpha, "prompt_len": S,
+                    "spd_fraction": f, "allreduces_per_forward": n,
+                    "ttft_ms": ttft * 1e3, "ttft_reduction": 1 - ttft / base[0],
+                    "ttft_comm_share": n * ar_pre / ttft,
+                    "decode_ms": dec * 1e3, "decode_reduction": 1 - dec / base[1],
+                    "e2e_ms": e2e * 1e3, "e2e_reduction": 1 - e2e / base[2],
+                    "prefill_mfu": pre_w.flops / (compute.time(pre_w) * spec.peak_flops),
+                    "decode_mfu": dec_w.flops / (compute.time(dec_w) * spec.peak_flops),
+                })
+    return rows
+
+
+PAPER_POINT = {"model": "llama2-70b", "gpus": 8, "link_Bps": 10e9, "spd_fraction": 0.7,
+               "latency_reduction": 0.197,
+               "source": "../shared/docs/papers.md §6 (SPD paper: LLaMA2-70B, 8x A100, 10 GB/s, 70% SPD)"}
+
+
+def paper_comparison(rows: list[dict[str, Any]], num_layers: int = 80) -> list[dict[str, Any]]:
+    """Our 70%-SPD reductions on the link closest to the paper's 10 GB/s, per prompt length.
+
+    Dropping a fraction ``k / 2L`` of the sync points removes that fraction of the communication
+    time, so ``reduction = k / 2L * comm_share(SPD 0%)``; the paper's figure therefore implies a
+    communication share of ``0.197 / (56 / 160) = 56%`` of its measured latency, which is set beside
+    the model's share (``implied_comm_share``)."""
+    if not rows:
+        return []
+    best = min({r["beta_Bps"] for r in rows}, key=lambda b: abs(math.log(b / PAPER_POINT["link_Bps"])))
+    f = PAPER_POINT["spd_fraction"]
+    removed = round(f * num_layers) / (2 * num_layers)
+    out = []
+    for r in rows:
+        if r["beta_Bps"] == best and abs(r["spd_fraction"] - f) < 1e-9:
+            r0 = next(x for x in rows if x["link"] == r["link"] and x["prompt_len"] == r["prompt_len"]
+                      and x["spd_fraction"] == 0)
+            out.append({"link": r["link"], "prompt_len": r["prompt_len"], "ttft_reduction": r["ttft_reduction"],
+                        "decode_reduction": r["decode_reduction"], "e2e_reduction": r["e2e_reduction"],
+                        "ttft_comm_share": r0["ttft_comm_share"],
+                        "paper_latency_reduction": PAPER_POINT["latency_reduction"],
+                        "paper_implied_comm_share": PAPER_POINT["latency_reduction"] / removed})
+    return out
+
+
+def spec_dict(spec: ClusterSpec) -> dict[str, Any]:
+    return asdict(spec)
