@@ -242,8 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from syncdrop.bench.predict import add_parser as add_predict_parser
+    from syncdrop.spd.cli import add_plan_parser, add_profile_parser
 
     add_predict_parser(sub)
+    add_profile_parser(sub)
+    add_plan_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)

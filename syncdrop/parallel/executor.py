@@ -75,7 +75,9 @@ class TPModel:
             raise SyncdropError(f"plan has {plan.num_blocks} blocks but the model has {self.cfg.num_layers}")
         self._plan = plan
 
-    def _context(self, batch: int, seq: int, start: int = 0) -> ForwardContext:
+    def context(self, batch: int, seq: int, start: int = 0) -> ForwardContext:
+        """The :class:`ForwardContext` (batch geometry, RoPE tables) for ``batch`` sequences of ``seq``
+        tokens at positions ``start..start+seq-1``; what :meth:`run_blocks` takes."""
         end = start + seq
         if self.cfg.sliding_window is not None and end > self.cfg.sliding_window:
             raise SyncdropError(
@@ -95,6 +97,36 @@ class TPModel:
         return [LayerKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.blocks]
 
+    def embed_tokens(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Input of block 0 for token ids ``(B, S)`` at positions ``start..``: ``(1, B*S, h)``,
+        replicated on every rank (token embeddings, plus learned positions for OPT)."""
+        B, S = ids.shape
+        ids = ids.to(self.device)
+        x = self.embed[ids]  # (B, S, h)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[torch.arange(start, start + S, device=self.device) + self.cfg.pos_offset]
+        return x.reshape(1, B * S, -1)
+
+    @torch.inference_mode()
+    def run_blocks(
+        self, x: torch.Tensor, start_block: int, ctx: ForwardContext, cache: list[LayerKV] | None = None,
+        record: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run blocks ``start_block..L-1`` under ``self.plan`` from the residual ``x`` entering block
+        ``start_block`` (``(1 or R, M, h)``, rank axis first); return rank 0's final-normed hidden
+        states ``(B, S, h)``. ``cache``: the KV cache of *all* blocks (indexed by block number).
+        ``record``: if given, the residual entering each block run is appended to it (what the
+        sensitivity profiler caches so that later runs can start mid-model)."""
+        if not 0 <= start_block <= self.cfg.num_layers:
+            raise ValueError(f"start_block {start_block} outside 0..{self.cfg.num_layers}")
+        for i in range(start_block, self.cfg.num_layers):
+            if record is not None:
+                record.append(x)
+            x = block_forward(x, self.blocks[i], self.geo, self.cfg, self.comm, ctx, self.plan.blocks[i].attn,
+                              cache[i] if cache else None)
+        x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
+        return x.view(ctx.batch, ctx.seq, -1)
+
     @torch.inference_mode()
     def hidden_states(self, ids: torch.Tensor, cache: list[LayerKV] | None = None, start: int = 0) -> torch.Tensor:
         """Final-normed hidden states ``(B, S, h)`` as rank 0 sees them, for token ids ``(B, S)``.
@@ -107,16 +139,8 @@ class TPModel:
             raise ValueError("start > 0 needs a KV cache")
         if cache is not None and start + S > cache[0].k.shape[2]:
             raise SyncdropError(f"KV cache holds {cache[0].k.shape[2]} positions, {start + S} requested")
-        ctx = self._context(B, S, start)
-        ids = ids.to(self.device)
-        x = self.embed[ids]  # (B, S, h)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[torch.arange(start, start + S, device=self.device) + self.cfg.pos_offset]
-        x = x.reshape(1, B * S, -1)  # (1, M, h): replicated on every rank
-        for i, (w, sync) in enumerate(zip(self.blocks, self.plan.blocks, strict=True)):
-            x = block_forward(x, w, self.geo, self.cfg, self.comm, ctx, sync.attn, cache[i] if cache else None)
-        x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
-        return x.view(B, S, -1)
+        ctx = self.context(B, S, start)
+        return self.run_blocks(self.embed_tokens(ids, start), 0, ctx, cache)
 
     def weight_bytes(self) -> int:
         """Bytes of weights held by this process (all local ranks, padding included)."""

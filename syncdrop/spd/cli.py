@@ -1,0 +1,130 @@
+"""``syncdrop profile`` and ``syncdrop plan``: registration functions for the main parser.
+
+Wire them in :func:`syncdrop.cli.build_parser`::
+
+    from syncdrop.spd.cli import add_plan_parser, add_profile_parser
+
+    add_profile_parser(sub)
+    add_plan_parser(sub)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from syncdrop.errors import SyncdropError
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``profile`` on ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser(
+        "profile", help="per-block SPD sensitivity (perplexity deltas on calibration data)",
+        description="Per-block sensitivity to dropping the attention sync (SPD): progressive "
+                    "s_i = ppl(SPD on i..L-1) - ppl(SPD on i+1..L-1) and isolated s_i = ppl(SPD on i) - ppl(none), "
+                    "on the first --samples windows of --seq-len tokens of --calib. Runs all --tp ranks in this "
+                    "process (the simulated executor).")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree N (>= 2: at N=1 SPD changes nothing)")
+    p.add_argument("--calib", default="wikitext2:valid",
+                   help="calibration text: wikitext2:valid (default) | wikitext2 | shakespeare | PATH")
+    p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
+    p.add_argument("--samples", type=int, default=8, help="calibration windows K: the first K (default 8)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", required=True, help="profile JSON to write (e.g. profile.json)")
+    p.add_argument("--png", default=None, help="bar chart of the sensitivities (default: --out with .png)")
+    p.add_argument("--no-png", action="store_true", help="do not draw the bar chart")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from syncdrop.eval.data import load_text
+    from syncdrop.eval.perplexity import make_windows
+    from syncdrop.io_utils import atomic_write_json
+    from syncdrop.runtime import build
+    from syncdrop.spd.profile import plot_profile, profile_sensitivity
+
+    if args.tp < 2:
+        raise SyncdropError(f"--tp must be at least 2 (at --tp {args.tp} dropping the attention sync changes nothing)")
+    if args.samples < 1:
+        raise SyncdropError(f"--samples must be at least 1, got {args.samples}")
+    if args.seq_len < 2:
+        raise SyncdropError(f"--seq-len must be at least 2, got {args.seq_len}")
+    if args.batch_size < 1:
+        raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
+    data = load_text(args.calib, args.data_dir)  # fail fast before loading the model
+    built = build(args.model, args.tp, "none", args.dtype, executor="simulated", progress=not args.quiet)
+    ids = built.source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
+    windows = make_windows(ids, args.seq_len, args.samples)
+    if windows.shape[0] < args.samples:
+        raise SyncdropError(f"--calib {args.calib} has only {windows.shape[0]} windows of {args.seq_len} tokens, "
+                            f"fewer than --samples {args.samples}")
+    prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet)
+    d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path},
+                     model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size)
+    atomic_write_json(args.out, d)
+    png = None if args.no_png else (args.png or str(Path(args.out).with_suffix(".png")))
+    if png:
+        plot_profile(d, png)
+    bf = d["block_forwards"]
+    print(f"{built.source.name} tp={args.tp} {data.name} ({prof.windows} windows of {prof.seq_len}): "
+          f"baseline ppl {prof.baseline_ppl:.4f}, all blocks SPD {prof.blocks[0].ppl_progressive:.4f}; "
+          f"{bf['done']} block forwards ({bf['naive']} from scratch), cache {prof.cache_bytes / 2**20:.1f} MiB, "
+          f"{prof.elapsed_s:.1f}s")
+    print(" block  progressive     isolated")
+    for b in prof.blocks:
+        print(f"{b.index:6d} {b.progressive:12.5f} {b.isolated:12.5f}")
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``plan`` on ``subparsers`` (from ``add_subparsers``)."""
+    from syncdrop.spd import SENSITIVITIES
+    from syncdrop.spd.planning import DEFAULT_TAU1, DEFAULT_TAU2
+
+    p = subparsers.add_parser(
+        "plan", help="a sync plan from a sensitivity profile (least sensitive blocks dropped)",
+        description="Sort blocks by sensitivity (ascending) and drop the least sensitive: a fraction (--spd) "
+                    "or as many as fit a predicted perplexity budget (--max-ppl-increase; a prediction from "
+                    "the profile, measure it with `syncdrop ppl --plan OUT`). Dropped blocks get a tier "
+                    "(zs / b2b / hg+b2b) by --tau1/--tau2, stored in the plan's meta.")
+    p.add_argument("--profile", required=True, help="profile JSON written by `syncdrop profile`")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--spd", type=float, default=None, help="fraction of blocks to drop, e.g. 0.7")
+    g.add_argument("--max-ppl-increase", type=float, default=None,
+                   help="relative predicted perplexity increase allowed, e.g. 0.01 = 1%%")
+    p.add_argument("--sensitivity", default="progressive", choices=SENSITIVITIES,
+                   help="which sensitivity to sort by (default progressive)")
+    p.add_argument("--tau1", default=DEFAULT_TAU1,
+                   help=f"zero-shot tier bound: ppl delta, or %% of baseline ppl (default {DEFAULT_TAU1}, provisional)")
+    p.add_argument("--tau2", default=DEFAULT_TAU2,
+                   help=f"B2B tier bound: ppl delta, or %% of baseline ppl (default {DEFAULT_TAU2}, provisional)")
+    p.add_argument("--out", required=True, help="plan JSON to write (usable as --plan everywhere)")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from syncdrop.io_utils import provenance
+    from syncdrop.spd import TIERS
+    from syncdrop.spd.planning import load_profile, make_plan, tiers
+
+    prof = load_profile(args.profile)
+    plan = make_plan(prof, args.spd, args.max_ppl_increase, args.sensitivity, args.tau1, args.tau2)
+    plan.meta["provenance"] = provenance()
+    plan.save(args.out)
+    m = plan.meta
+    t = tiers(plan)
+    counts = {k: sum(v == k for v in t.values()) for k in TIERS}
+    print(f"{prof.data.get('model')} tp={prof.data.get('tp')} ({args.sensitivity}): {plan.summary()}")
+    print(f"tiers (tau1 {m['tau1']:.4g}, tau2 {m['tau2']:.4g} ppl): "
+          + ", ".join(f"{k} {n}" for k, n in counts.items()))
+    print(f"predicted ppl {m['predicted_ppl']:.4f} (baseline {prof.baseline_ppl:.4f}, "
+          f"+{m['predicted_ppl_increase']:.4f}); measure with: syncdrop ppl --plan {args.out}")
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,234 @@
+"""Per-block SPD sensitivity: perplexity deltas on calibration windows (papers.md §3).
+
+Two definitions, both computed in one run (L = number of blocks, ``ppl(D)`` = perplexity with
+the attention sync of the blocks in ``D`` dropped, SPD block, all other blocks full):
+
+* progressive (the paper's, from the last block backwards):
+  ``s_i = ppl({i..L-1}) - ppl({i+1..L-1})``, with ``ppl({}) = baseline``; the deltas telescope,
+  so ``sum_{j>=i} s_j = ppl({i..L-1}) - baseline`` exactly;
+* isolated: ``s_i = ppl({i}) - baseline``.
+
+Calibration windows follow :mod:`syncdrop.eval.perplexity` exactly (text tokenized once without
+special tokens, the first K non-overlapping windows of L tokens, every token after the first
+scored), so ``baseline_ppl`` equals ``syncdrop ppl --plan none --dataset D --seq-len L
+--max-windows K`` at the same ``--tp`` and dtype.
+
+Cached block inputs. In both definitions every block before ``i`` runs unchanged (full), so its
+output is the reference's. One plan-``none`` forward per window batch records the residual entering
+every block (rank axis 1, ``(1, B*S, h)``) and gives the baseline NLL; every later evaluation
+starts at block ``i`` from that cache and runs only blocks ``i..L-1``. Block forwards: L per
+window for the reference pass, ``L - i`` per window for each of the 2L evaluations (the isolated and
+progressive plans for the last block coincide and run once), so ``W * (L + L(L+1) - 1)`` in all,
+against ``W * L * (2L + 1)`` when each of the 2L + 1 perplexities is computed from scratch: about
+half. The cache holds ``W * S * h * L`` activations in the model dtype: SmolLM2-135M, 8 windows of
+512 tokens, fp32: 8 * 512 * 576 * 4 B * 30 blocks = 283 MB.
+
+Profiling needs all N ranks in one process (the simulated executor); it is an accuracy tool.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from syncdrop.errors import SyncdropError
+from syncdrop.eval.perplexity import window_nll
+from syncdrop.parallel.executor import TPModel
+from syncdrop.plan import SyncPlan
+from syncdrop.spd import PROFILE_FORMAT, PROFILE_VERSION
+
+
+@dataclass
+class BlockSensitivity:
+    index: int
+    progressive: float  # ppl({i..L-1}) - ppl({i+1..L-1})
+    isolated: float  # ppl({i}) - baseline
+    ppl_progressive: float  # ppl({i..L-1})
+    ppl_isolated: float  # ppl({i})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "progressive": self.progressive, "isolated": self.isolated,
+                "ppl_progressive": self.ppl_progressive, "ppl_isolated": self.ppl_isolated}
+
+
+@dataclass
+class Profile:
+    """Result of :func:`profile_sensitivity` (plus what the CLI adds: model name, calibration data)."""
+
+    baseline_ppl: float
+    blocks: list[BlockSensitivity]
+    windows: int
+    seq_len: int
+    block_forwards_done: int
+    block_forwards_naive: int
+    cache_bytes: int
+    elapsed_s: float
+    variant: str = "drop"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def to_dict(self, model: str, tp: int, calib: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        from syncdrop.io_utils import provenance
+
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "model": model,
+            "tp": tp,
+            "num_blocks": self.num_blocks,
+            "variant": self.variant,
+            "calib": {**calib, "windows": self.windows, "seq_len": self.seq_len,
+                      "tokens_scored": self.windows * (self.seq_len - 1)},
+            "baseline_ppl": self.baseline_ppl,
+            "blocks": [b.to_dict() for b in self.blocks],
+            "block_forwards": {
+                "done": self.block_forwards_done,
+                "naive": self.block_forwards_naive,
+                "naive_definition": "2L+1 perplexities (baseline, L progressive, L isolated), each L block "
+                                    "forwards per window",
+            },
+            "cache_bytes": self.cache_bytes,
+            "elapsed_s": self.elapsed_s,
+            **extra,
+            "provenance": provenance(),
+        }
+
+
+class _StartedAt:
+    """Adapter so :func:`~syncdrop.eval.perplexity.window_nll` (the one NLL definition) scores a run
+    that starts at block ``start`` from a cached residual ``x`` instead of from the token ids."""
+
+    def __init__(self, model: TPModel, x: torch.Tensor, start: int) -> None:
+        self.model, self.x, self.start = model, x, start
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        B, S = ids.shape
+        return self.model.run_blocks(self.x, self.start, self.model.context(B, S))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+
+def profile_sensitivity(
+    model: TPModel, windows: torch.Tensor, batch_size: int = 1, variant: str = "drop", progress: bool = True,
+) -> Profile:
+    """Progressive and isolated sensitivity of every block of ``model`` on ``windows`` ``(W, S)``.
+
+    ``variant``: the attention mode of a dropped block (``drop`` = the SPD block). The model's plan
+    is restored afterwards.
+    """
+    from tqdm import tqdm
+
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise SyncdropError(f"calibration windows must be (W >= 1, S >= 2), got {tuple(windows.shape)}")
+    if batch_size < 1:
+        raise SyncdropError(f"--batch-size must be at least 1, got {batch_size}")
+    L = model.cfg.num_layers
+    W, S = windows.shape
+    scored = W * (S - 1)
+    batches = [windows[i : i + batch_size] for i in range(0, W, batch_size)]
+    saved_plan = model.plan
+    t0 = time.perf_counter()
+
+    # evaluations after the reference pass: (start block, dropped set); the dedupe merges the
+    # progressive and isolated plans of the last block
+    evals: dict[frozenset[int], int] = {}
+    for i in reversed(range(L)):
+        evals.setdefault(frozenset(range(i, L)), i)
+        evals.setdefault(frozenset({i}), i)
+    planned = W * (L + sum(L - start for start in evals.values()))
+    done = 0
+    nll: dict[frozenset[int], float] = {}
+    try:
+        with torch.inference_mode(), tqdm(total=planned, desc="profiling", unit="block", disable=not progress,
+                                          leave=False) as bar:
+            model.plan = SyncPlan.uniform(L)
+            cache: list[list[torch.Tensor]] = []  # per batch: the residual entering each block
+            total = 0.0
+            for ids in batches:
+                rec: list[torch.Tensor] = []
+                B = ids.shape[0]
+                ref = _Recording(model, rec)
+                total += window_nll(ref, ids).sum().item()
+                cache.append(rec)
+                done += B * L
+                bar.update(B * L)
+            nll[frozenset()] = total
+            baseline = math.exp(total / scored)
+            bar.set_postfix(baseline=f"{baseline:.3f}")
+            for dropped, start in evals.items():
+                model.plan = SyncPlan.dropping(L, dropped, variant)
+                total = 0.0
+                for ids, rec in zip(batches, cache, strict=True):
+                    total += window_nll(_StartedAt(model, rec[start], start), ids).sum().item()
+                    done += ids.shape[0] * (L - start)
+                    bar.update(ids.shape[0] * (L - start))
+                nll[dropped] = total
+        cache_bytes = sum(t.numel() * t.element_size() for rec in cache for t in rec)
+    finally:
+        model.plan = saved_plan
+
+    def ppl(dropped: frozenset[int]) -> float:
+        return math.exp(nll[dropped] / scored)
+
+    blocks = []
+    for i in range(L):
+        p_prog, p_next = ppl(frozenset(range(i, L))), ppl(frozenset(range(i + 1, L)))
+        p_iso = ppl(frozenset({i}))
+        blocks.append(BlockSensitivity(i, p_prog - p_next, p_iso - baseline, p_prog, p_iso))
+    assert done == planned, (done, planned)
+    return Profile(baseline, blocks, W, S, done, W * L * (2 * L + 1), cache_bytes,
+                   time.perf_counter() - t0, variant)
+
+
+class _Recording:
+    """Adapter: the full forward from the token ids under the model's plan, recording block inputs."""
+
+    def __init__(self, model: TPModel, record: list[torch.Tensor]) -> None:
+        self.model, self.record = model, record
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        B, S = ids.shape
+        return self.model.run_blocks(self.model.embed_tokens(ids), 0, self.model.context(B, S), record=self.record)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+
+def plot_profile(d: dict[str, Any], path: str | Path) -> None:
+    """Bar chart of both sensitivities per block (from a profile dict) as a PNG, written atomically."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from syncdrop.io_utils import atomic_write_bytes
+
+    idx = [b["index"] for b in d["blocks"]]
+    fig = Figure(figsize=(max(6.0, 0.32 * len(idx) + 2), 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    w = 0.4
+    ax.bar([i - w / 2 for i in idx], [b["progressive"] for b in d["blocks"]], w, label="progressive")
+    ax.bar([i + w / 2 for i in idx], [b["isolated"] for b in d["blocks"]], w, label="isolated")
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xlabel("block")
+    ax.set_ylabel("perplexity increase (SPD on the block)")
+    if len(idx) <= 40:
+        ax.set_xticks(idx)
+    calib = d.get("calib", {})
+    ax.set_title(f"{d.get('model')} TP={d.get('tp')}: SPD sensitivity, baseline ppl {d['baseline_ppl']:.3f} "
+                 f"({calib.get('dataset')}, {calib.get('windows')} x {calib.get('seq_len')} tokens)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    atomic_write_bytes(path, buf.getvalue())
