@@ -31,7 +31,8 @@ test-slow: $(STAMP)
 
 # Full-size experiments (long: run in the background, see docs/)
 ablation: $(STAMP)
-	$(BIN)/python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 --out results/ablation_residual
+	$(BIN)/python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 --variants dense,none,drop,naive,desync \
+		--resume --out results/ablation_residual_full
 
 bench-forward: $(STAMP)
 	$(BIN)/python benchmarks/bench_forward.py --out results/bench_forward

@@ -11,9 +11,11 @@ variant, and ``OUT.md`` (a Markdown table). Example (the full run in docs/result
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from syncdrop.errors import SyncdropError
 from syncdrop.eval.data import load_text
@@ -60,6 +62,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--variants", default="dense,none," + ",".join(DROP_VARIANTS))
     ap.add_argument("--out", default="results/ablation_residual", help="output prefix (.json, .md)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of an existing OUT.json made with the same settings and run only the rest")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -80,8 +84,22 @@ def main() -> int:
                 "seq_len": args.seq_len, "max_windows": args.max_windows, "windows": windows.shape[0],
                 "tokens": windows.shape[0] * (args.seq_len - 1), "dtype": args.dtype}
     rows: list[dict] = []
+    out_json = Path(args.out + ".json")
+    if args.resume and out_json.is_file():
+        old = json.loads(out_json.read_text())
+        keys = [k for k in settings if k != "dataset_path"]  # the data folder may move between machines
+        same = all(old["settings"].get(k) == settings[k] for k in keys)
+        if not same:
+            print(f"error: {out_json} was made with other settings; drop --resume or pick another --out",
+                  file=sys.stderr)
+            return 2
+        rows = [r for r in old["rows"] if r["variant"] in variants]
+        print(f"resuming: kept {[r['variant'] for r in rows]} from {out_json}", flush=True)
+    done = {r["variant"] for r in rows}
     tp_model = None
     for v in variants:
+        if v in done:
+            continue
         if v == "dense":
             model, plan, tp = HFReference(source, dtype), SyncPlan.uniform(n_layers), 1
         else:
@@ -98,6 +116,7 @@ def main() -> int:
         print(f"{v:12s} ppl {res.ppl:10.4f}", flush=True)
         atomic_write_json(args.out + ".json", {"settings": settings, "provenance": provenance(), "rows": rows})
         del model
+    rows.sort(key=lambda r: variants.index(r["variant"]))
     table = markdown(rows, settings)
     atomic_write_text(args.out + ".md", table)
     print()
