@@ -107,7 +107,7 @@ class DistComm:
 
     ``exact=False`` (default): ``torch.distributed.all_reduce`` (ring or tree, as the backend
     chooses). Its summation order differs per chunk, so results match the simulation only to
-    float rounding (~5e-5 on SmolLM2 logits at TP=3). ``exact=True``: all-gather the partials and
+    float rounding. ``exact=True``: all-gather the partials and
     sum them in rank order, exactly as :class:`~syncdrop.parallel.comm.SimulatedComm` does, which
     reproduces the simulation bit for bit at N/2 times the traffic of a ring all-reduce.
     """
