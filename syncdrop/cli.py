@@ -88,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if len(ids) < args.prompt_len * args.batch:
         raise SyncdropError(f"--dataset has fewer than {args.prompt_len * args.batch} tokens")
     prompt = torch.tensor(ids[: args.prompt_len * args.batch]).view(args.batch, args.prompt_len)
-    barrier = (lambda: dist._guarded("barrier", torch.distributed.barrier)) if built.dist else (lambda: None)
+    barrier = dist.barrier if built.dist else (lambda: None)
     res = latency_bench(built.model, plans, prompt, args.decode_tokens, args.reps, args.warmup, barrier,
                         progress=built.is_main and not args.quiet)
     if not built.is_main:

@@ -139,6 +139,11 @@ def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def barrier() -> None:
+    """Wait for every rank (under the collective timeout)."""
+    _guarded("barrier", dist.barrier)
+
+
 def fingerprint(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
