@@ -22,7 +22,9 @@ def _add_model_args(p: argparse.ArgumentParser, distributed: bool = True) -> Non
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree N (default 1)")
-    p.add_argument("--plan", default="none", help=f"sync plan: {PLAN_SPEC_HELP} (default none)")
+    p.add_argument("--plan", default=None,
+                   help=f"sync plan: {PLAN_SPEC_HELP} (default: none, or the plan a `syncdrop distill` "
+                        "directory given as --model was made for)")
     p.add_argument("--drop-variant", default="drop", choices=DROP_VARIANTS,
                    help="what a dropped block does for spec plans: drop = the SPD block (default); "
                         "naive, desync, bias-in-sum = ablations")
@@ -81,7 +83,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     link = _link(args)
     built = _build(args, progress=False)
     L = built.source.config.num_layers
-    plans = [(s, parse_plan(s, L, args.drop_variant)) for s in specs]
+    spd = built.source.spd
+    plans = [(s, spd.plan if s == "model" and spd is not None else parse_plan(s, L, args.drop_variant))
+             for s in specs]
     text = load_text(args.dataset, args.data_dir).text
     n_chars = 40 * args.prompt_len * args.batch  # plenty of text for the prompt tokens
     ids = built.source.load_tokenizer()(text[:n_chars], add_special_tokens=False)["input_ids"]
@@ -184,17 +188,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.sharding import ShardLayout
-    from syncdrop.plan import parse_plan
+    from syncdrop.runtime import resolve_plan
 
     src = resolve_model(args.model)
     cfg = src.config
     layout = ShardLayout.build(cfg, args.tp)
-    plan = parse_plan(args.plan, cfg.num_layers, args.drop_variant)
+    plan = resolve_plan(src, args.plan, args.drop_variant)
     print(f"model {src.name} ({src.kind}: {src.path})")
     print(f"  {cfg.arch}: {cfg.num_layers} blocks, hidden {cfg.hidden_size}, heads {cfg.num_heads} "
           f"(kv {cfg.num_kv_heads}, dim {cfg.head_dim}), mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}")
     print(f"  TP={args.tp}: " + layout.describe())
     print(f"  plan: {plan.summary()}; all-reduces per forward: {2 * cfg.num_layers - len(plan.dropped)}")
+    if src.spd is not None:
+        print(f"  distilled for TP={src.spd.tp} from {src.spd.base_model}: blocks {sorted(src.spd.blocks)}, "
+              f"head-grouped {sorted(src.spd.layouts(cfg))}")
     return 0
 
 
@@ -229,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time to first token and decode latency per plan (real ranks)")
     _add_model_args(p)
-    p.add_argument("--plans", default="none,all", help="comma-separated plan specs (default none,all)")
+    p.add_argument("--plans", default="none,all",
+                   help="comma-separated plan specs (default none,all); `model` = the plan of a distilled --model")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=16)
@@ -242,11 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from syncdrop.bench.predict import add_parser as add_predict_parser
-    from syncdrop.spd.cli import add_plan_parser, add_profile_parser
+    from syncdrop.spd.cli import add_distill_parser, add_plan_parser, add_profile_parser
 
     add_predict_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_distill_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)
@@ -260,16 +269,20 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from syncdrop.parallel.launch import launch
     from syncdrop.parallel.sharding import check_tp
     from syncdrop.plan import parse_plan
+    from syncdrop.runtime import check_checkpoint_tp, resolve_plan
 
-    cfg = resolve_model(args.model).config
+    source = resolve_model(args.model)
+    cfg = source.config
     check_tp(cfg, args.tp)
-    parse_plan(args.plan, cfg.num_layers, args.drop_variant)
+    check_checkpoint_tp(source, args.tp)
+    resolve_plan(source, args.plan, args.drop_variant)
     _link(args)
     if hasattr(args, "plans"):
         from syncdrop.plan import split_plan_list
 
         for spec in split_plan_list(args.plans):
-            parse_plan(spec, cfg.num_layers, args.drop_variant)
+            if spec != "model":
+                parse_plan(spec, cfg.num_layers, args.drop_variant)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))

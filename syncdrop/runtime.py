@@ -77,7 +77,29 @@ def full_copy_bytes(cfg, dtype: torch.dtype) -> int:
 EXECUTORS = ("auto", "simulated", "hf")
 
 
-def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", executor: str = "auto",
+def resolve_plan(source, plan_spec: str | None, drop_variant: str = "drop") -> SyncPlan:
+    """The plan to run: ``plan_spec`` parsed, or (``None``) the plan a ``syncdrop distill``
+    directory was made for, else ``none``."""
+    cfg = source.config
+    if plan_spec is None:
+        return source.spd.plan if source.spd is not None else SyncPlan.uniform(cfg.num_layers)
+    plan = parse_plan(plan_spec, cfg.num_layers, drop_variant)
+    if source.spd is not None:
+        kept = sorted(set(source.spd.blocks) - set(plan.dropped))
+        if kept:
+            log.warning("blocks %s of %s were distilled as SPD blocks but run with their sync under --plan %s",
+                        kept, source.spec, plan_spec)
+    return plan
+
+
+def check_checkpoint_tp(source, tp: int) -> None:
+    """A distilled directory only runs at the TP degree its blocks were trained for."""
+    if source.spd is not None and source.spd.tp != tp:
+        raise SyncdropError(f"--tp {tp}: model {source.spec} was distilled for --tp {source.spd.tp} "
+                            "(its SPD blocks are trained for that split of heads over ranks)")
+
+
+def build(model_spec: str, tp: int, plan_spec: str | None, dtype: str = "float32", executor: str = "auto",
           drop_variant: str = "drop", progress: bool = True, dist_timeout: float = 60.0,
           exact_reduce: bool = False, link: Link | None = None) -> Built:
     """Resolve the model, validate TP and plan, and build the executor.
@@ -93,13 +115,16 @@ def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", exec
     source = resolve_model(model_spec)
     cfg = source.config
     check_tp(cfg, tp)
-    plan = parse_plan(plan_spec, cfg.num_layers, drop_variant)
+    check_checkpoint_tp(source, tp)
+    plan = resolve_plan(source, plan_spec, drop_variant)
+    block_layouts = source.spd.layouts(cfg) if source.spd is not None else None
     torch_dtype = parse_dtype(dtype)
     if executor not in EXECUTORS:
         raise SyncdropError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if executor == "hf":
-        if tp != 1 or plan.dropped:
-            raise SyncdropError("--executor hf runs transformers' dense model: use --tp 1 --plan none")
+        if tp != 1 or plan.dropped or source.spd is not None:
+            raise SyncdropError("--executor hf runs transformers' dense model: use --tp 1 --plan none "
+                                "and a model that is not a `syncdrop distill` directory")
         return Built(source, HFReference(source, torch_dtype), plan)
     if executor == "auto" and dist.launched_by_torchrun():
         ctx = dist.init(dist_timeout)
@@ -110,7 +135,7 @@ def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", exec
         comm = dist.DistComm(tp, exact=exact_reduce)
         comm = EmulatedLinkComm(comm, link) if link is not None and link.active else comm
         model = TPModel(cfg, source.reader, ShardLayout.build(cfg, tp), comm, plan, ranks=[ctx.rank], dtype=torch_dtype,
-                        progress=progress and ctx.is_main, device=ctx.device)
+                        progress=progress and ctx.is_main, device=ctx.device, block_layouts=block_layouts)
         dist.check_agreement({"model": source.name, "config": cfg.to_dict(), "plan": plan.to_dict(), "tp": tp,
                               "dtype": dtype, "exact_reduce": exact_reduce}, ctx)
         rows = dist.gather_floats([model.weight_bytes() / 2**20, dist.peak_rss_mb(), rss0], ctx)
@@ -119,7 +144,7 @@ def build(model_spec: str, tp: int, plan_spec: str, dtype: str = "float32", exec
                             for r, (w, p, b) in enumerate(rows)]}
         return Built(source, model, plan, ctx, memory)
     log.info("building %s at TP=%d, plan %s", source.name, tp, plan.summary())
-    model = simulated_model(cfg, source.reader, tp, plan, torch_dtype, progress=progress)
+    model = simulated_model(cfg, source.reader, tp, plan, torch_dtype, progress=progress, block_layouts=block_layouts)
     if link is not None and link.active:
         model.comm = EmulatedLinkComm(model.comm, link)
     log.info("layout: %s", model.layout.describe())

@@ -132,3 +132,15 @@ def smollm2_hf(smollm2_source):
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog. " * 40
+               + "Tensor parallelism splits each layer across devices. " * 30)
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """A small English text file (for --dataset / --calib with the tiny models' tokenizer)."""
+    p = tmp_path_factory.mktemp("data") / "sample.txt"
+    p.write_text(SAMPLE_TEXT)
+    return p

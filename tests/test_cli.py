@@ -14,16 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from syncdrop.cli import main
 
-TEXT = ("The quick brown fox jumps over the lazy dog. " * 40
-        + "Tensor parallelism splits each layer across devices. " * 30)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "sample.txt"
-    p.write_text(TEXT)
-    return p
-
 
 def test_ppl_matches_transformers_reference(tiny_llama_dir, text_file, tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
@@ -37,7 +27,7 @@ def test_ppl_matches_transformers_reference(tiny_llama_dir, text_file, tmp_path,
 
     # Independent reference: transformers' model and tokenizer, same windowing convention.
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    ids = torch.tensor(tok(TEXT, add_special_tokens=False)["input_ids"][: 5 * 16]).view(5, 16)
+    ids = torch.tensor(tok(text_file.read_text(), add_special_tokens=False)["input_ids"][: 5 * 16]).view(5, 16)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(ids).logits[:, :-1]

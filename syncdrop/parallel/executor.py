@@ -8,7 +8,7 @@ accuracy work; the distributed runtime uses the same class with one local rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -27,6 +27,10 @@ class TPModel:
 
     ``weights``: a checkpoint reader (``get``, optionally ``get_rows``/``get_cols`` so that only the
     local ranks' slices are read), a ``{name: tensor}`` dict, or a ``name -> tensor`` callable.
+
+    ``block_layouts``: per-block exceptions to ``layout`` (head grouping reassigns heads and MLP
+    channels to ranks block by block); each block gets its own :class:`LocalGeometry` (``geos[i]``),
+    padded to the largest rank of its layout. ``geo`` is the geometry of the shared ``layout``.
     """
 
     def __init__(
@@ -40,6 +44,7 @@ class TPModel:
         dtype: torch.dtype = torch.float32,
         progress: bool = False,
         device: torch.device | str = "cpu",
+        block_layouts: Mapping[int, ShardLayout] | None = None,
     ) -> None:
         self.cfg, self.layout, self.comm, self.dtype = cfg, layout, comm, dtype
         self.device = torch.device(device)
@@ -48,7 +53,16 @@ class TPModel:
         def get(name: str) -> torch.Tensor:
             return src.get(name).to(self.device)
 
-        self.geo = local_geometry(cfg, layout, ranks if ranks is not None else range(layout.tp))
+        local = list(ranks if ranks is not None else range(layout.tp))
+        block_layouts = dict(block_layouts or {})
+        for i, lay in block_layouts.items():
+            if not 0 <= i < cfg.num_layers or lay.tp != layout.tp:
+                raise SyncdropError(f"block layout for block {i}: needs 0 <= block < {cfg.num_layers} and "
+                                    f"tp {layout.tp}, got tp {lay.tp}")
+        self.layouts = [block_layouts.get(i, layout) for i in range(cfg.num_layers)]
+        self.geo = local_geometry(cfg, layout, local)
+        geos = {id(lay): local_geometry(cfg, lay, local) for lay in block_layouts.values()}
+        self.geos = [geos.get(id(lay), self.geo) for lay in self.layouts]
         self.plan = plan or SyncPlan.uniform(cfg.num_layers)
         self.embed = get("embed").to(dtype)
         self.pos_embed = get("pos_embed").to(dtype) if cfg.family == "opt" else None
@@ -62,7 +76,8 @@ class TPModel:
 
             layers = tqdm(layers, desc="sharding blocks", unit="block", leave=False)
         self.blocks: list[BlockWeights] = [
-            block_weights(src, cfg, self.geo, layout, i, dtype).to(self.device) for i in layers]
+            block_weights(src, cfg, self.geos[i], self.layouts[i], i, dtype).to(self.device) for i in layers]
+        self.geos = [g.to(self.device) for g in self.geos]
         self.geo = self.geo.to(self.device)
 
     @property
@@ -93,9 +108,12 @@ class TPModel:
 
     def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
         """Empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (all blocks, local ranks)."""
-        shape = (batch, self.geo.r * self.geo.kv, max_len, self.geo.head_dim)
-        return [LayerKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.blocks]
+        def kv(g) -> LayerKV:
+            shape = (batch, g.r * g.kv, max_len, g.head_dim)
+            return LayerKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+        return [kv(g) for g in self.geos]
 
     def embed_tokens(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Input of block 0 for token ids ``(B, S)`` at positions ``start..``: ``(1, B*S, h)``,
@@ -122,7 +140,7 @@ class TPModel:
         for i in range(start_block, self.cfg.num_layers):
             if record is not None:
                 record.append(x)
-            x = block_forward(x, self.blocks[i], self.geo, self.cfg, self.comm, ctx, self.plan.blocks[i].attn,
+            x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, self.plan.blocks[i].attn,
                               cache[i] if cache else None)
         x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
         return x.view(ctx.batch, ctx.seq, -1)
@@ -163,7 +181,9 @@ class TPModel:
 def simulated_model(
     cfg: ModelConfig, weights: object, tp: int, plan: SyncPlan | None = None,
     dtype: torch.dtype = torch.float32, layout: ShardLayout | None = None, progress: bool = False,
+    block_layouts: Mapping[int, ShardLayout] | None = None,
 ) -> TPModel:
     """All ``tp`` ranks in this process (exact simulation)."""
     layout = layout or ShardLayout.build(cfg, tp)
-    return TPModel(cfg, weights, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress)
+    return TPModel(cfg, weights, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress,
+                   block_layouts=block_layouts)

@@ -11,6 +11,7 @@ Wire them in :func:`syncdrop.cli.build_parser`::
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from syncdrop.errors import SyncdropError
@@ -127,4 +128,93 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"predicted ppl {m['predicted_ppl']:.4f} (baseline {prof.baseline_ppl:.4f}, "
           f"+{m['predicted_ppl_increase']:.4f}); measure with: syncdrop ppl --plan {args.out}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def add_distill_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``distill`` on ``subparsers`` (from ``add_subparsers``)."""
+    from syncdrop.plan import PLAN_SPEC_HELP
+    from syncdrop.spd import TIERS
+    from syncdrop.spd.head_grouping import MLP_MATCHING, UNITS
+
+    p = subparsers.add_parser(
+        "distill", help="block-to-block distillation (B2B, optionally after head grouping) of a plan's dropped blocks",
+        description="For each dropped block of tier b2b or hg+b2b, train the SPD form of the block to match the "
+                    "original block's output (MSE) on the hidden states entering it, on --calib windows; only that "
+                    "block's weights change. hg+b2b blocks first get a head-grouping layout. Writes OUT/syncdrop.json "
+                    "and OUT/blocks/*.safetensors (each block as soon as it is done: rerun the same command to "
+                    "resume). OUT is accepted as --model by ppl, generate, bench and eval, with its plan.")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree N the blocks are distilled for")
+    p.add_argument("--plan", required=True, help=f"plan to distil for: {PLAN_SPEC_HELP} (tiers from `syncdrop plan`)")
+    p.add_argument("--tier", default="auto", choices=("auto", *TIERS),
+                   help="tier of every dropped block: auto = the plan's tiers, b2b where it has none (default)")
+    p.add_argument("--calib", default="wikitext2:valid",
+                   help="calibration text: wikitext2:valid (default) | wikitext2 | shakespeare | PATH")
+    p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
+    p.add_argument("--samples", type=int, default=16, help="training windows (default 16; the paper: 128 x 2048)")
+    p.add_argument("--heldout", type=int, default=2, help="held-out windows after them (loss report; default 2)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the paper's, 5e-5; OPT 1e-6)")
+    p.add_argument("--epochs", type=int, default=10, help="passes over the training windows (default 10, the paper's)")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per step (default 1)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hg-unit", default="group", choices=UNITS,
+                   help="head grouping moves whole KV groups (default) or single heads (KV heads replicated)")
+    p.add_argument("--hg-mlp", default="shard", choices=MLP_MATCHING,
+                   help="MLP matching: whole shards (default), single channels, or none")
+    p.add_argument("--hg-samples", type=int, default=2, help="calibration windows for head grouping (default 2)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_distill)
+    return p
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from syncdrop.eval.data import load_text
+    from syncdrop.eval.perplexity import make_windows
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.parallel.sharding import check_tp
+    from syncdrop.plan import parse_plan
+    from syncdrop.spd.distill import DistillSettings, default_lr, distill
+    from syncdrop.spd.planning import tiers as plan_tiers
+
+    if args.tp < 2:
+        raise SyncdropError(f"--tp must be at least 2 (at --tp {args.tp} dropping the attention sync changes nothing)")
+    for name in ("samples", "heldout"):
+        if getattr(args, name) < 1:
+            raise SyncdropError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if os.path.isfile(args.out):
+        raise SyncdropError(f"--out {args.out} is a file; expected a directory")
+    data = load_text(args.calib, args.data_dir)
+    source = resolve_model(args.model)
+    check_tp(source.config, args.tp)
+    plan = parse_plan(args.plan, source.config.num_layers)
+    if not plan.dropped:
+        raise SyncdropError(f"--plan {args.plan} drops no block: nothing to distil")
+    if any(b.attn not in ("full", "drop") for b in plan.blocks):
+        raise SyncdropError("--plan: distillation trains the SPD block (attn: drop); the plan uses an ablation variant")
+    given = plan_tiers(plan)
+    tiers = {i: (args.tier if args.tier != "auto" else given.get(i, "b2b")) for i in plan.dropped}
+    settings = DistillSettings(args.lr if args.lr is not None else default_lr(source.config), args.epochs,
+                               args.batch_size, args.weight_decay, args.seed, args.hg_unit, args.hg_mlp,
+                               args.hg_samples)
+    settings.check()
+    ids = source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
+    need = args.samples + args.heldout
+    windows = make_windows(ids, args.seq_len, need)
+    if windows.shape[0] < need:
+        raise SyncdropError(f"--calib {args.calib} has {windows.shape[0]} windows of {args.seq_len} tokens; "
+                            f"--samples {args.samples} + --heldout {args.heldout} need {need}")
+    m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], args.out, settings,
+                {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}, progress=not args.quiet)
+    print(f"{source.name} tp={args.tp}: {plan.summary()}; trained {len(m['blocks'])} blocks "
+          f"({sum(t != 'zs' for t in tiers.values())} b2b/hg+b2b, {sum(t == 'zs' for t in tiers.values())} zero-shot)")
+    if m["blocks"]:
+        print(" block  tier      held-out MSE: zero-shot -> distilled")
+        for k, e in m["blocks"].items():
+            st = e["stats"]
+            print(f"{int(k):6d}  {e['tier']:8s}  {st['heldout_loss_zs']:12.5g} -> {st['heldout_loss']:.5g}")
+    print(f"wrote {args.out} (use it as --model, e.g. syncdrop ppl --model {args.out} --tp {args.tp})")
     return 0

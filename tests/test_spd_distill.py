@@ -1,0 +1,178 @@
+"""Head grouping (an exact re-parameterisation), B2B distillation, and distilled checkpoint
+directories used as ``--model`` (papers.md §4-5)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from syncdrop.cli import main
+from syncdrop.models.config import layer_names
+from syncdrop.models.loading import resolve_model
+from syncdrop.parallel.executor import simulated_model
+from syncdrop.parallel.launch import launch
+from syncdrop.parallel.sharding import ShardLayout
+from syncdrop.plan import SyncPlan, parse_plan
+from syncdrop.spd.distill import DistillSettings, _batches, distill
+from syncdrop.spd.head_grouping import group_heads
+
+WORKER = str(Path(__file__).parent / "workers" / "dist_logits.py")
+
+
+def _windows(src, n: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, src.config.vocab_size, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _grouping(src, tp: int, layer: int, unit: str, mlp: str):
+    cfg = src.config
+    teacher = simulated_model(cfg, src.reader, tp)
+    batches = _batches(teacher, _windows(src, 2, 24), 1)
+    if layer:  # residual entering the block: run the earlier blocks
+        with torch.no_grad():
+            from syncdrop.models.block import block_forward
+
+            batches = [(block_forward(x, teacher.blocks[0], teacher.geo, cfg, teacher.comm, c), c)
+                       for x, c in batches]
+    params = {n: src.reader.get(n) for n in layer_names(layer, cfg)}
+    return group_heads(params, layer, cfg, tp, batches, unit, mlp)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_opt_dir"])
+@pytest.mark.parametrize("tp,unit,mlp", [(2, "group", "shard"), (3, "head", "channel"), (2, "head", "shard")])
+def test_head_grouping_is_exact_with_all_syncs(fixture, tp, unit, mlp, request) -> None:
+    """With every sync kept, a per-block layout (the grouping found, and a random permutation of
+    heads and channels) computes the same logits as the default one; with every attention sync
+    dropped the random one changes them (the layout is really applied)."""
+    src = resolve_model(str(request.getfixturevalue(fixture)))
+    cfg = src.config
+    L = cfg.num_layers
+    found = {i: ShardLayout.build(cfg, tp, g.head_order, g.ffn_order)
+             for i in range(L) for g in [_grouping(src, tp, i, unit, mlp)]}
+    gen = torch.Generator().manual_seed(tp)
+    rand = {i: ShardLayout.build(cfg, tp, torch.randperm(cfg.num_heads, generator=gen).tolist(),
+                                 torch.randperm(cfg.intermediate_size, generator=gen).tolist()) for i in range(L)}
+    ids = _windows(src, 2, 17, seed=1)
+    base = simulated_model(cfg, src.reader, tp)
+    ref = base(ids)
+    for layouts in (found, rand):
+        grouped = simulated_model(cfg, src.reader, tp, block_layouts=layouts)
+        torch.testing.assert_close(grouped(ids), ref, atol=1e-5, rtol=0)
+    base.plan = grouped.plan = SyncPlan.uniform(L, "drop")
+    assert (grouped(ids) - base(ids)).abs().max() > 1e-3
+
+
+def test_head_grouping_objectives_do_not_get_worse(tiny_llama_dir) -> None:
+    src = resolve_model(str(tiny_llama_dir))
+    g = _grouping(src, 3, 1, "head", "shard")
+    d, m = g.report["head_distance_within_ranks"], g.report["mlp_output_norm"]
+    assert d["grouped"] >= d["default"] - 1e-9
+    assert m["grouped"] >= m["default"] - 1e-6
+    assert sorted(g.head_order) == list(range(src.config.num_heads))
+
+
+def _distill(src, tp: int, out: Path, tier: str = "b2b", blocks=(0, 1), epochs: int = 4, **kw):
+    L = src.config.num_layers
+    plan = SyncPlan.dropping(L, blocks)
+    w = _windows(src, 12, 32)
+    s = DistillSettings(lr=5e-4, epochs=epochs, **kw)
+    return distill(src, tp, plan, dict.fromkeys(blocks, tier), w[:10], w[10:], out, s,
+                   {"dataset": "random ids"}, progress=False)
+
+
+@pytest.mark.parametrize("tier", ["b2b", "hg+b2b"])
+def test_distilled_blocks_lower_held_out_loss(tiny_llama_dir, tmp_path, tier) -> None:
+    """Training on 10 windows lowers the student-teacher MSE on 2 held-out windows, every block;
+    only the distilled blocks' tensors change."""
+    src = resolve_model(str(tiny_llama_dir))
+    m = _distill(src, 2, tmp_path / "ck", tier)
+    for e in m["blocks"].values():
+        st = e["stats"]
+        assert st["heldout_loss"] < 0.95 * st["heldout_loss_zs"], st
+        assert len(st["train_curve"]) == 4
+    ck = resolve_model(str(tmp_path / "ck"))
+    assert ck.spd is not None and ck.spd.tp == 2 and ck.spd.plan.dropped == [0, 1]
+    changed = [n for n in ck.reader.overridden() if not torch.equal(ck.reader.get(n), src.reader.get(n))]
+    assert changed and all(n.startswith("layers.") for n in changed)
+    assert torch.equal(ck.reader.get("embed"), src.reader.get("embed"))
+
+
+def test_distill_resumes_block_by_block(tiny_llama_dir, tmp_path) -> None:
+    """An interrupted run (a block file and the manifest missing) redoes only what is missing,
+    and the result is identical (seeded per block)."""
+    src = resolve_model(str(tiny_llama_dir))
+    out = tmp_path / "ck"
+    first = _distill(src, 2, out, epochs=2)
+    f0, f1 = out / "blocks" / "block_000.safetensors", out / "blocks" / "block_001.safetensors"
+    t1 = load_file(str(f1))
+    mtime0 = f0.stat().st_mtime_ns
+    os.remove(f1)
+    os.remove(out / "syncdrop.json")
+    again = _distill(src, 2, out, epochs=2)
+    assert f0.stat().st_mtime_ns == mtime0  # reused, not retrained
+    for k, v in load_file(str(f1)).items():
+        assert torch.equal(v, t1[k]), k
+    assert again["blocks"]["1"]["stats"]["heldout_loss"] == first["blocks"]["1"]["stats"]["heldout_loss"]
+    # different settings: retrained
+    _distill(src, 2, out, epochs=1)
+    assert f0.stat().st_mtime_ns != mtime0
+
+
+def test_distilled_dir_as_model_everywhere(tiny_llama_dir, text_file, tmp_path, capsys) -> None:
+    """`syncdrop distill` writes a directory that `ppl` runs with the plan it was made for; the
+    numbers equal the simulated executor built from the same tensors and layouts."""
+    out = tmp_path / "ck"
+    assert main(["distill", "--model", str(tiny_llama_dir), "--tp", "3", "--plan", "all", "--tier", "hg+b2b",
+                 "--hg-unit", "head", "--calib", str(text_file), "--samples", "2", "--heldout", "1",
+                 "--seq-len", "16", "--epochs", "1", "--out", str(out), "-q"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    js = tmp_path / "ppl.json"
+    assert main(["ppl", "--model", str(out), "--tp", "3", "--dataset", str(text_file), "--seq-len", "16",
+                 "--json", str(js), "-q"]) == 0
+    d = json.loads(js.read_text())
+    assert d["plan"]["blocks"] == [{"attn": "drop", "mlp": "full"}] * 2
+    src = resolve_model(str(out))
+    base = resolve_model(str(tiny_llama_dir))
+    sim = simulated_model(src.config, src.reader, 3, src.spd.plan, block_layouts=src.spd.layouts(src.config))
+    plain = simulated_model(base.config, base.reader, 3, src.spd.plan)
+    ids = _windows(base, 2, 16, seed=3)
+    assert (sim(ids) - plain(ids)).abs().max() > 1e-4  # the distilled weights are used
+    # wrong TP for a distilled directory, damaged manifest: exit 2 with a one-line message
+    assert main(["ppl", "--model", str(out), "--tp", "2", "--dataset", str(text_file), "--seq-len", "16"]) == 2
+    assert "distilled for --tp 3" in capsys.readouterr().err
+    (out / "syncdrop.json").write_text("{not json")
+    assert main(["ppl", "--model", str(out), "--tp", "3", "--dataset", str(text_file), "--seq-len", "16"]) == 2
+    assert "syncdrop.json" in capsys.readouterr().err
+
+
+def test_distill_bad_input(tiny_llama_dir, text_file, tmp_path, capsys) -> None:
+    base = ["distill", "--model", str(tiny_llama_dir), "--calib", str(text_file), "--seq-len", "16",
+            "--out", str(tmp_path / "x")]
+    for extra, msg in [(["--tp", "2", "--plan", "none"], "drops no block"),
+                       (["--tp", "1", "--plan", "all"], "--tp must be at least 2"),
+                       (["--tp", "2", "--plan", "all", "--samples", "5000"], "windows"),
+                       (["--tp", "2", "--plan", "all", "--lr", "-1"], "--lr")]:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+
+
+def test_distributed_runs_distilled_grouped_dir(tiny_llama_dir, tmp_path) -> None:
+    """gloo, 3 ranks: a head-grouped distilled directory gives the simulated executor's logits."""
+    src0 = resolve_model(str(tiny_llama_dir))
+    out = tmp_path / "ck"
+    _distill(src0, 3, out, "hg+b2b", epochs=1, hg_unit="head", hg_mlp="channel")
+    logits = tmp_path / "logits.safetensors"
+    plans = ["all", "blocks:1"]
+    assert launch([str(out), "3", "1", str(logits), *plans], 3, program=[WORKER]) == 0
+    got = load_file(str(logits))
+    src = resolve_model(str(out))
+    sim = simulated_model(src.config, src.reader, 3, block_layouts=src.spd.layouts(src.config))
+    ids = torch.randint(0, src.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    for spec in plans:
+        sim.plan = parse_plan(spec, src.config.num_layers)
+        assert (got[spec] - sim(ids)).abs().max() <= 1e-5, spec
