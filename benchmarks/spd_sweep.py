@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"model": args.model, "tp": args.tp, "seq_len": args.seq_len, "windows": int(tw.shape[0]),
                 "tokens_scored": int(tw.shape[0] * (args.seq_len - 1)), "test": test.path,
                 "calib": {"path": calib.path, "train_windows": args.calib_samples, "heldout": args.calib_heldout},
-                "profile_samples": args.profile_samples, "epochs": args.epochs, "lr": lr,
-                "variants": {v: VARIANTS[v] for v in variants}}
+                "profile_samples": args.profile_samples, "epochs": args.epochs, "lr": lr}
     res_path = out / "sweep.json"
     prev = json.loads(res_path.read_text()) if res_path.exists() else {}
     rows = prev.get("rows", []) if prev.get("settings") == settings else []
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             pv = ppl(f, v)
             if zs is not None and pv is not None and zs > dense:
                 summary["recovery"][f"{v}@{f}"] = (zs - pv) / (zs - dense)
-    atomic_write_json(res_path, {"settings": settings, "provenance": provenance(),
+    atomic_write_json(res_path, {"settings": settings, "variants": VARIANTS, "provenance": provenance(),
                                  "profile": {"path": str(prof_path), "baseline_ppl_calib": profile.baseline_ppl,
                                              "drop_order": order}, "rows": rows, "summary": summary})
     head = "| SPD fraction | blocks dropped | " + " | ".join(["zero-shot", *variants]) + " |"
