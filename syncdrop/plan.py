@@ -13,6 +13,12 @@ A plan is a list with one entry per block, ``{"attn": MODE, "mlp": "full"}``. At
 ``bias-in-sum`` ablation: like ``drop`` but biases added inside the sum (counted N times):
                 ``X_out = X + AllReduce(A_r + b_o + Z_r + b_down)``.
 
+Partial sync (CAAT-Net, papers.md §7): ``{"partial": p}`` for ``attn`` or ``mlp`` all-reduces only
+the first ``k = round(p * h)`` channels; each rank keeps its other channels, scaled by sqrt(N)
+(:func:`syncdrop.models.block.partial_reduce`). The residual stream then differs per rank, and the
+LM head becomes vocab-parallel. ``mlp`` may be partial under ``attn: drop`` too (SPD + partial).
+Models must be trained this way (``syncdrop train``).
+
 On disk a plan is JSON: ``{"format": "syncdrop-plan", "version": 1, "num_blocks": L,
 "blocks": [...], "meta": {...}}``. The CLI accepts a spec string (:func:`parse_plan`).
 """
@@ -31,18 +37,49 @@ ATTN_MODES = ("full", "drop", "naive", "desync", "bias-in-sum")
 DROP_VARIANTS = ATTN_MODES[1:]
 MLP_MODES = ("full",)
 PLAN_FORMAT = "syncdrop-plan"
-PLAN_SPEC_HELP = "none | all | last:K | first:K | frac:F | blocks:0,3,7 | PATH.json"
+PLAN_SPEC_HELP = "none | all | last:K | first:K | frac:F | blocks:0,3,7 | partial:P | PATH.json"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Partial channel reduce of one sync point: the first ``round(p * h)`` channels are summed."""
+
+    p: float
+
+    def channels(self, hidden: int) -> int:
+        return round(self.p * hidden)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"partial": self.p}
+
+
+SyncMode = str | Partial  # "full", a drop variant (attention only), or Partial
+
+
+def _mode_dict(m: SyncMode) -> Any:
+    return m.to_dict() if isinstance(m, Partial) else m
 
 
 @dataclass(frozen=True)
 class BlockSync:
     """Sync points of one block."""
 
-    attn: str = "full"
-    mlp: str = "full"
+    attn: SyncMode = "full"
+    mlp: SyncMode = "full"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attn": self.attn, "mlp": self.mlp}
+        return {"attn": _mode_dict(self.attn), "mlp": _mode_dict(self.mlp)}
+
+
+def _parse_mode(v: Any, allowed: tuple[str, ...], where: str) -> SyncMode:
+    if isinstance(v, str) and v in allowed:
+        return v
+    if isinstance(v, dict) and set(v) == {"partial"}:
+        p = v["partial"]
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1:
+            return Partial(float(p))
+        raise SyncdropError(f"{where}: partial fraction must be a number in [0, 1], got {p!r}")
+    raise SyncdropError(f"{where}={v!r}; expected one of {', '.join(allowed)} or {{\"partial\": p}}")
 
 
 @dataclass
@@ -71,10 +108,29 @@ class SyncPlan:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @classmethod
+    def partial(cls, num_blocks: int, p: float) -> SyncPlan:
+        """Every sync point of every block partial with fraction ``p`` (CAAT-Net)."""
+        return cls([BlockSync(Partial(p), Partial(p)) for _ in range(num_blocks)])
+
     @property
     def dropped(self) -> list[int]:
         """Blocks whose attention sync point is removed (any drop variant)."""
-        return [i for i, b in enumerate(self.blocks) if b.attn != "full"]
+        return [i for i, b in enumerate(self.blocks) if isinstance(b.attn, str) and b.attn != "full"]
+
+    @property
+    def has_partial(self) -> bool:
+        """True if any sync point is partial (ranks keep private channels; vocab-parallel LM head)."""
+        return any(isinstance(m, Partial) for b in self.blocks for m in (b.attn, b.mlp))
+
+    def payload_fraction(self, hidden: int) -> list[float]:
+        """Per sync point (attention then MLP, block by block) the fraction of ``h`` channels sent;
+        0 for a dropped attention sync."""
+        out = []
+        for b in self.blocks:
+            for m in (b.attn, b.mlp):
+                out.append(m.channels(hidden) / hidden if isinstance(m, Partial) else (1.0 if m == "full" else 0.0))
+        return out
 
     @property
     def spd_fraction(self) -> float:
@@ -82,10 +138,15 @@ class SyncPlan:
 
     def summary(self) -> str:
         d = self.dropped
-        if not d:
-            return "none"
-        variants = sorted({self.blocks[i].attn for i in d})
-        return f"{len(d)}/{self.num_blocks} dropped ({','.join(variants)}): {d}"
+        parts = []
+        if d:
+            variants = sorted({str(self.blocks[i].attn) for i in d})
+            parts.append(f"{len(d)}/{self.num_blocks} dropped ({','.join(variants)}): {d}")
+        ps = sorted({m.p for b in self.blocks for m in (b.attn, b.mlp) if isinstance(m, Partial)})
+        if ps:
+            n = sum(isinstance(m, Partial) for b in self.blocks for m in (b.attn, b.mlp))
+            parts.append(f"{n}/{2 * self.num_blocks} sync points partial (p={','.join(f'{p:g}' for p in ps)})")
+        return "; ".join(parts) or "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,11 +165,11 @@ class SyncPlan:
         for i, b in enumerate(d["blocks"]):
             if not isinstance(b, dict):
                 raise SyncdropError(f"{source}: blocks[{i}] must be an object like {{\"attn\": \"drop\"}}")
-            attn, mlp = b.get("attn", "full"), b.get("mlp", "full")
-            if attn not in ATTN_MODES:
-                raise SyncdropError(f"{source}: blocks[{i}].attn={attn!r}; expected one of {', '.join(ATTN_MODES)}")
-            if mlp not in MLP_MODES:
-                raise SyncdropError(f"{source}: blocks[{i}].mlp={mlp!r}; expected one of {', '.join(MLP_MODES)}")
+            attn = _parse_mode(b.get("attn", "full"), ATTN_MODES, f"{source}: blocks[{i}].attn")
+            mlp = _parse_mode(b.get("mlp", "full"), MLP_MODES, f"{source}: blocks[{i}].mlp")
+            if isinstance(mlp, Partial) and attn not in ("full", "drop") and not isinstance(attn, Partial):
+                raise SyncdropError(f"{source}: blocks[{i}]: a partial MLP sync combines with attn full, drop or "
+                                    f"partial, not {attn!r}")
             blocks.append(BlockSync(attn=attn, mlp=mlp))
         declared = d.get("num_blocks", len(blocks))
         if declared != len(blocks):
@@ -172,6 +233,14 @@ def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
             raise SyncdropError(f"plan {spec!r}: F must be between 0 and 1")
         k = round(f * num_blocks)
         return SyncPlan.dropping(num_blocks, range(num_blocks - k, num_blocks), variant)
+    if s.startswith("partial:"):
+        try:
+            p = float(s[len("partial:"):])
+        except ValueError:
+            raise SyncdropError(f"malformed plan {spec!r}: P must be a number between 0 and 1") from None
+        if not 0 <= p <= 1:
+            raise SyncdropError(f"plan {spec!r}: P must be between 0 and 1")
+        return SyncPlan.partial(num_blocks, p)
     if s.startswith("blocks:"):
         items = [t for t in s[len("blocks:"):].split(",") if t.strip()]
         if not items:

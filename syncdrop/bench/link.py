@@ -88,6 +88,14 @@ class EmulatedLinkComm:
     def calls(self) -> int:
         return self.inner.calls
 
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Vocab-parallel logits gather (partial-sync plans), delayed like an all-reduce of its payload."""
+        out = self.inner.all_gather_last(x, sizes)
+        d = self.link.delay(x.numel() * x.element_size())
+        wait(d)
+        self.waited_s += d
+        return out
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.all_reduce(x)
         if out.is_cuda:

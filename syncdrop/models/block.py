@@ -13,10 +13,14 @@ Block math (papers.md §1-2; P_r = bias-free o_proj partial of rank r, Z_r = bia
 ``full``:  X' = X + AllReduce(P_r) + b_o;  X_out = X' + AllReduce(MLP_r(norm(X'))) + b_down
 ``drop``:  H_r = X + P_r + b_o;  Z_r = MLP_r(norm(H_r));  X_out = X + AllReduce(P_r + Z_r) + b_o + b_down
 and the ablations ``naive``, ``desync``, ``bias-in-sum`` documented in :mod:`syncdrop.plan`.
+A sync point may instead be a partial channel reduce (:func:`partial_reduce`, CAAT-Net): then
+``AllReduce(Y_r) + b`` is replaced by ``PartialReduce_k(Y_r, b)`` and the residual keeps a rank
+axis of length R from there on (shared channels equal on every rank, private ones not).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,18 +153,54 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x if b is None else x + b
 
 
+def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor | None) -> torch.Tensor:
+    """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (papers.md §7):
+
+    ``out_r = concat(AllReduce(y[..., :k]) + b[:k],  sqrt(N) * (y_r[..., k:] + b[k:]))``
+
+    The first ``k`` channels are shared (summed over all N ranks, so equal everywhere), the others
+    private: each rank keeps its own, scaled by sqrt(N). The bias is added once, after the sum and
+    before the scaling. Returns ``(R, M, h)`` (``(1, M, h)`` when ``k == h``: an ordinary all-reduce).
+    Only ``k`` channels travel: the all-reduce payload is ``k / h`` of a full one.
+    """
+    h = y.shape[-1]
+    if k >= h:
+        return _add(comm.all_reduce(y), b)
+    parts = []
+    if k > 0:
+        shared = _add(comm.all_reduce(y[..., :k]), None if b is None else b[:k])  # (1, M, k)
+        parts.append(shared.expand(y.shape[0], -1, -1))
+    private = _add(y[..., k:], None if b is None else b[k:])  # (R, M, h-k)
+    parts.append(private * math.sqrt(comm.tp))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _sync(comm: Communicator, y: torch.Tensor, mode, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x + Sync(y) + b`` for a sync point in ``mode`` (``"full"`` or a ``Partial``)."""
+    if mode == "full":
+        return _add(x + comm.all_reduce(y), b)
+    return x + partial_reduce(comm, y, mode.channels(y.shape[-1]), b)
+
+
 def block_forward(
     x: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, comm: Communicator,
-    ctx: ForwardContext, attn_mode: str = "full", kv: LayerKV | None = None,
+    ctx: ForwardContext, attn_mode="full", kv: LayerKV | None = None, mlp_mode="full",
 ) -> torch.Tensor:
-    """One block under the given attention sync mode; ``x``: ``(1 or R, M, h)`` -> same form."""
+    """One block under the given sync modes; ``x``: ``(1 or R, M, h)`` -> same form (``(R, M, h)``
+    after a partial sync or a diverging ablation). ``attn_mode``: ``full``, a drop variant, or a
+    :class:`~syncdrop.plan.Partial`; ``mlp_mode``: ``full`` or a ``Partial``."""
     p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx, kv)  # (R, M, h)
-    if attn_mode == "full":
-        x1 = _add(x + comm.all_reduce(p), w.o_b)
+    if not isinstance(attn_mode, str) or attn_mode == "full":
+        x1 = _sync(comm, p, attn_mode, w.o_b, x)
         z = mlp_partial(norm(x1, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
-        return _add(x1 + comm.all_reduce(z), w.down_b)
+        return _sync(comm, z, mlp_mode, w.down_b, x1)
     h = _add(x + p, w.o_b)  # (R, M, h): each rank's MLP sees only its own heads
     z = mlp_partial(norm(h, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
+    if attn_mode == "drop" and mlp_mode != "full":
+        b = w.o_b if w.down_b is None else (w.down_b if w.o_b is None else w.o_b + w.down_b)
+        return _sync(comm, p + z, mlp_mode, b, x)
+    if mlp_mode != "full":
+        raise ValueError(f"a partial MLP sync does not combine with attention mode {attn_mode!r}")
     if attn_mode == "drop":
         return _add(_add(x + comm.all_reduce(p + z), w.o_b), w.down_b)
     if attn_mode == "naive":

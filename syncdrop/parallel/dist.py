@@ -132,6 +132,17 @@ class DistComm:
         return x
 
 
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (``(..., sizes[rank])``) along the last axis, in rank order
+        (the vocab-parallel LM head's logits). Slices are zero-padded to the largest for the gather."""
+        n = max(sizes)
+        pad = torch.nn.functional.pad(x, (0, n - x.shape[-1])).reshape(1, -1)  # (1, numel)
+        parts = torch.empty((self.tp, pad.shape[1]), dtype=x.dtype, device=x.device)  # (N, numel)
+        _guarded("all-gather", dist.all_gather_into_tensor, parts, pad, group=self.group)
+        parts = parts.view(self.tp, *x.shape[:-1], n)  # (N, ..., n)
+        return torch.cat([parts[r, ..., : sizes[r]] for r in range(self.tp)], dim=-1)
+
+
 def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
     """Everyone gets rank 0's ``t`` (e.g. sampled tokens, so all ranks continue identically)."""
     t = t.contiguous()

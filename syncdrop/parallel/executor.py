@@ -140,8 +140,12 @@ class TPModel:
         for i in range(start_block, self.cfg.num_layers):
             if record is not None:
                 record.append(x)
-            x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, self.plan.blocks[i].attn,
-                              cache[i] if cache else None)
+            sync = self.plan.blocks[i]
+            x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, sync.attn,
+                              cache[i] if cache else None, sync.mlp)
+        if self.plan.has_partial:  # every local rank's own stream, for the vocab-parallel LM head
+            x = norm(x, self.final_norm_w, self.final_norm_b, self.cfg).expand(self.geo.r, -1, -1)  # (R, M, h)
+            return x.transpose(0, 1).reshape(ctx.batch, ctx.seq, -1)  # (B, S, R*h)
         x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
         return x.view(ctx.batch, ctx.seq, -1)
 
@@ -169,13 +173,38 @@ class TPModel:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(..., h)`` -> ``(..., V)`` with the (replicated) LM head."""
-        return hidden @ self.lm_head.t()
+        """``(..., h)`` -> ``(..., V)`` with the (replicated) LM head.
+
+        Plans with partial sync: ``hidden`` is ``(..., R*h)``, the local ranks' own final-normed
+        streams side by side (:meth:`run_blocks`), and the head is vocab-parallel: rank r computes
+        the logits of its vocabulary slice (:func:`vocab_slices`) from its own stream; the slices
+        are concatenated (all-gathered across processes in the distributed runtime).
+        """
+        if not self.plan.has_partial:
+            return hidden @ self.lm_head.t()
+        h = self.cfg.hidden_size
+        parts = hidden.unflatten(-1, (self.geo.r, h))  # (..., R, h)
+        slices = vocab_slices(self.cfg.vocab_size, self.layout.tp)
+        local = [parts[..., j, :] @ self.lm_head[slices[r]].t() for j, r in enumerate(self.geo.ranks)]
+        if self.geo.r == self.layout.tp:
+            return torch.cat(local, dim=-1)
+        return self.comm.all_gather_last(torch.cat(local, dim=-1), [len(s) for s in slices])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, S, V)``."""
         with torch.inference_mode():
             return self.logits(self.hidden_states(ids))
+
+
+def vocab_slices(vocab: int, tp: int) -> list[range]:
+    """Contiguous near-equal vocabulary ranges of the vocab-parallel LM head, one per rank."""
+    base, extra = divmod(vocab, tp)
+    out, start = [], 0
+    for r in range(tp):
+        n = base + (1 if r < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
 
 
 def simulated_model(
