@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_distill_parser(sub)
+    from syncdrop.caat.cli import add_train_parser
+
+    add_train_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if getattr(args, "launch", False) and not dist.launched_by_torchrun():
-            return _launch(args, argv)
+            return getattr(args, "launch_func", _launch)(args, argv)
         return args.func(args)
     except SyncdropError as e:
         print(f"syncdrop: error: {e}", file=sys.stderr)

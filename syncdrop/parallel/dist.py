@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 from syncdrop.errors import SyncdropError
 
+# torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -126,7 +129,7 @@ class DistComm:
             return x
         if self.exact:
             parts = torch.empty((self.tp, *x.shape[1:]), dtype=x.dtype, device=x.device)  # (N, M, h)
-            _guarded("all-gather", dist.all_gather_into_tensor, parts, x, group=self.group)
+            _guarded("all-gather", _ALL_GATHER, parts, x, group=self.group)
             return parts.sum(0, keepdim=True)
         _guarded("all-reduce", dist.all_reduce, x, group=self.group)
         return x
@@ -138,7 +141,7 @@ class DistComm:
         n = max(sizes)
         pad = torch.nn.functional.pad(x, (0, n - x.shape[-1])).reshape(1, -1)  # (1, numel)
         parts = torch.empty((self.tp, pad.shape[1]), dtype=x.dtype, device=x.device)  # (N, numel)
-        _guarded("all-gather", dist.all_gather_into_tensor, parts, pad, group=self.group)
+        _guarded("all-gather", _ALL_GATHER, parts, pad, group=self.group)
         parts = parts.view(self.tp, *x.shape[:-1], n)  # (N, ..., n)
         return torch.cat([parts[r, ..., : sizes[r]] for r in range(self.tp)], dim=-1)
 

@@ -130,11 +130,19 @@ class TPModel:
         self, x: torch.Tensor, start_block: int, ctx: ForwardContext, cache: list[LayerKV] | None = None,
         record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """:meth:`forward_blocks` under ``torch.inference_mode`` (what evaluation and serving use)."""
+        return self.forward_blocks(x, start_block, ctx, cache, record)
+
+    def forward_blocks(
+        self, x: torch.Tensor, start_block: int, ctx: ForwardContext, cache: list[LayerKV] | None = None,
+        record: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Run blocks ``start_block..L-1`` under ``self.plan`` from the residual ``x`` entering block
         ``start_block`` (``(1 or R, M, h)``, rank axis first); return rank 0's final-normed hidden
         states ``(B, S, h)``. ``cache``: the KV cache of *all* blocks (indexed by block number).
         ``record``: if given, the residual entering each block run is appended to it (what the
-        sensitivity profiler caches so that later runs can start mid-model)."""
+        sensitivity profiler caches so that later runs can start mid-model). Differentiable (training
+        builds a model from parameters that require grad and calls this directly)."""
         if not 0 <= start_block <= self.cfg.num_layers:
             raise ValueError(f"start_block {start_block} outside 0..{self.cfg.num_layers}")
         for i in range(start_block, self.cfg.num_layers):
