@@ -40,17 +40,33 @@ PLAN_FORMAT = "syncdrop-plan"
 PLAN_SPEC_HELP = "none | all | last:K | first:K | frac:F | blocks:0,3,7 | partial:P | PATH.json"
 
 
+PARTIAL_MASKS = ("fixed", "random", "topk")
+
+
 @dataclass(frozen=True)
 class Partial:
-    """Partial channel reduce of one sync point: the first ``round(p * h)`` channels are summed."""
+    """Partial channel reduce of one sync point: ``round(p * h)`` channels are summed.
+
+    ``mask``: which channels are shared: ``fixed`` (the first k, CAAT-Net), or the ablations
+    ``random`` (a fresh random set of k per call, the same on every rank) and ``topk`` (per token,
+    each rank shares its own k largest-magnitude channels). ``scale``: multiply private channels by
+    sqrt(N) (CAAT-Net) or not (ablation).
+    """
 
     p: float
+    scale: bool = True
+    mask: str = "fixed"
 
     def channels(self, hidden: int) -> int:
         return round(self.p * hidden)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"partial": self.p}
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"partial": self.p}
+        if not self.scale:
+            d["scale"] = False
+        if self.mask != "fixed":
+            d["mask"] = self.mask
+        return d
 
 
 SyncMode = str | Partial  # "full", a drop variant (attention only), or Partial
@@ -74,11 +90,13 @@ class BlockSync:
 def _parse_mode(v: Any, allowed: tuple[str, ...], where: str) -> SyncMode:
     if isinstance(v, str) and v in allowed:
         return v
-    if isinstance(v, dict) and set(v) == {"partial"}:
-        p = v["partial"]
-        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1:
-            return Partial(float(p))
-        raise SyncdropError(f"{where}: partial fraction must be a number in [0, 1], got {p!r}")
+    if isinstance(v, dict) and "partial" in v and set(v) <= {"partial", "scale", "mask"}:
+        p, scale, mask = v["partial"], v.get("scale", True), v.get("mask", "fixed")
+        if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1):
+            raise SyncdropError(f"{where}: partial fraction must be a number in [0, 1], got {p!r}")
+        if not isinstance(scale, bool) or mask not in PARTIAL_MASKS:
+            raise SyncdropError(f"{where}: scale must be true/false and mask one of {', '.join(PARTIAL_MASKS)}")
+        return Partial(float(p), scale, mask)
     raise SyncdropError(f"{where}={v!r}; expected one of {', '.join(allowed)} or {{\"partial\": p}}")
 
 
@@ -109,9 +127,10 @@ class SyncPlan:
         return len(self.blocks)
 
     @classmethod
-    def partial(cls, num_blocks: int, p: float) -> SyncPlan:
+    def partial(cls, num_blocks: int, p: float, scale: bool = True, mask: str = "fixed") -> SyncPlan:
         """Every sync point of every block partial with fraction ``p`` (CAAT-Net)."""
-        return cls([BlockSync(Partial(p), Partial(p)) for _ in range(num_blocks)])
+        m = Partial(p, scale, mask)
+        return cls([BlockSync(m, m) for _ in range(num_blocks)])
 
     @property
     def dropped(self) -> list[int]:

@@ -30,7 +30,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference_logits(cfg, W: dict[str, torch.Tensor], tp: int, ids: torch.Tensor, attn_p: float,
-                     mlp_p: float) -> torch.Tensor:
+                     mlp_p: float, scale: bool = True) -> torch.Tensor:
     """Llama-family forward with every sync point a partial reduce, one rank at a time."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -45,7 +45,8 @@ def reference_logits(cfg, W: dict[str, torch.Tensor], tp: int, ids: torch.Tensor
     def reduce(ys: list[torch.Tensor], p: float) -> list[torch.Tensor]:
         k = round(p * h)
         shared = sum(y[..., :k] for y in ys)
-        return [torch.cat([shared, math.sqrt(tp) * y[..., k:]], -1) for y in ys]
+        f = math.sqrt(tp) if scale else 1.0
+        return [torch.cat([shared, f * y[..., k:]], -1) for y in ys]
 
     xs = [W["embed"][ids] for _ in range(tp)]  # per-rank residual (B, S, h)
     for i in range(cfg.num_layers):
@@ -76,14 +77,15 @@ def reference_logits(cfg, W: dict[str, torch.Tensor], tp: int, ids: torch.Tensor
     return torch.cat([_rms(xs[r], W["final_norm.weight"], cfg.norm_eps) @ head[sl[r]].t() for r in range(tp)], -1)
 
 
-@pytest.mark.parametrize("tp,attn_p,mlp_p", [(2, 0.5, 0.5), (3, 0.25, 0.75), (3, 0.0, 0.0), (2, 1.0, 0.5)])
-def test_simulated_partial_matches_per_rank_reference(tiny_llama_dir, tp, attn_p, mlp_p) -> None:
+@pytest.mark.parametrize("tp,attn_p,mlp_p,scale", [(2, 0.5, 0.5, True), (3, 0.25, 0.75, True), (3, 0.0, 0.0, True),
+                                                   (2, 1.0, 0.5, True), (3, 0.5, 0.5, False)])
+def test_simulated_partial_matches_per_rank_reference(tiny_llama_dir, tp, attn_p, mlp_p, scale) -> None:
     src = resolve_model(str(tiny_llama_dir))
     cfg = src.config
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(tp))
-    plan = SyncPlan([BlockSync(Partial(attn_p), Partial(mlp_p))] * cfg.num_layers)
+    plan = SyncPlan([BlockSync(Partial(attn_p, scale), Partial(mlp_p, scale))] * cfg.num_layers)
     got = simulated_model(cfg, src.reader, tp, plan)(ids)
-    ref = reference_logits(cfg, load_dense(src), tp, ids, attn_p, mlp_p)
+    ref = reference_logits(cfg, load_dense(src), tp, ids, attn_p, mlp_p, scale)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
@@ -99,6 +101,21 @@ def test_partial_one_is_ordinary_tp_and_tp1_is_dense(fixture, request) -> None:
         torch.testing.assert_close(m(ids), dense, atol=1e-5, rtol=0)
     m = simulated_model(cfg, src.reader, 3, SyncPlan.partial(cfg.num_layers, 0.5))
     assert (m(ids) - dense).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mask", ["random", "topk"])
+def test_channel_mask_ablations(tiny_qwen2_dir, mask) -> None:
+    """With p = 1 every channel is shared whatever the mask: ordinary TP. With p = 0.5 the mask
+    matters (differs from fixed channels)."""
+    src = resolve_model(str(tiny_qwen2_dir))
+    cfg = src.config
+    ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    dense = simulated_model(cfg, src.reader, 3)(ids)
+    full = simulated_model(cfg, src.reader, 3, SyncPlan.partial(cfg.num_layers, 1.0, mask=mask))(ids)
+    torch.testing.assert_close(full, dense, atol=1e-5, rtol=0)
+    fixed = simulated_model(cfg, src.reader, 3, SyncPlan.partial(cfg.num_layers, 0.5))(ids)
+    other = simulated_model(cfg, src.reader, 3, SyncPlan.partial(cfg.num_layers, 0.5, mask=mask))(ids)
+    assert (fixed - other).abs().max() > 1e-3
 
 
 def test_spd_drop_with_partial_mlp(tiny_opt_dir) -> None:
@@ -133,10 +150,15 @@ def test_partial_plans_parse_and_round_trip(tmp_path) -> None:
 @pytest.mark.parametrize("tp", [2, 3])
 def test_distributed_partial_equals_simulated(tiny_llama_dir, tmp_path, tp) -> None:
     """gloo, one process per rank: per-rank residual streams, the shared-channel all-reduce and the
-    vocab-parallel head (logits all-gathered) give the simulated executor's logits."""
+    vocab-parallel head (logits all-gathered) give the simulated executor's logits; random masks
+    agree because both draw them from the communicator's generator in the same order (only the
+    random plan draws, once per sync point)."""
     mixed = SyncPlan([BlockSync("drop", Partial(0.5)), BlockSync(Partial(0.25), "full")])
     mixed.save(tmp_path / "mixed.json")
-    plans = ["partial:0.5", "partial:0", str(tmp_path / "mixed.json")]
+    SyncPlan.partial(2, 0.5, mask="random").save(tmp_path / "random.json")
+    SyncPlan.partial(2, 0.5, mask="topk").save(tmp_path / "topk.json")
+    plans = ["partial:0.5", "partial:0", str(tmp_path / "mixed.json"), str(tmp_path / "random.json"),
+             str(tmp_path / "topk.json")]
     out = tmp_path / "logits.safetensors"
     assert launch([str(tiny_llama_dir), str(tp), "1", str(out), *plans], tp, program=[WORKER]) == 0
     got = load_file(str(out))

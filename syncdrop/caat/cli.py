@@ -23,10 +23,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=None, help="directory of .txt books or a file (default: the Gutenberg texts)")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
     for f in dataclasses.fields(TrainSettings):
-        if f.name in ("tp", "sync_fraction"):
+        if f.name in ("tp", "sync_fraction", "scale"):
             continue
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                        help=f"(default {f.default})")
+    p.add_argument("--no-scale", dest="scale", action="store_false",
+                   help="ablation: do not scale private channels by sqrt(N)")
     p.add_argument("--out", required=True, help="run directory (checkpoint, tokenizer, exported model)")
     p.add_argument("--json", default=None, help="also write the result JSON here (train_loss, val_loss lists)")
     p.add_argument("--launch", action="store_true", help="start --tp worker processes (gloo on CPU) and train there")

@@ -62,8 +62,14 @@ class TrainSettings:
     val_every: int = 100
     val_windows: int = 32
     ckpt_every: int = 100
+    mask: str = "fixed"
+    scale: bool = True
 
     def check(self) -> None:
+        from syncdrop.plan import PARTIAL_MASKS
+
+        if self.mask not in PARTIAL_MASKS:
+            raise SyncdropError(f"--mask must be one of {', '.join(PARTIAL_MASKS)}, got {self.mask!r}")
         if not 0 <= self.sync_fraction <= 1:
             raise SyncdropError(f"--sync-fraction must be between 0 and 1, got {self.sync_fraction}")
         for k in ("steps", "batch", "seq_len", "hidden", "layers", "heads", "kv_heads", "ffn", "val_every",
@@ -160,7 +166,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     cfg = type(cfg)(**{**cfg.to_dict(), "bos_token_id": eot, "eos_token_id": eot})
     check_tp(cfg, s.tp)
     layout = ShardLayout.build(cfg, s.tp)
-    plan = SyncPlan.partial(cfg.num_layers, s.sync_fraction)
+    plan = SyncPlan.partial(cfg.num_layers, s.sync_fraction, s.scale, s.mask)
     if dist_ctx is None:
         comm, ranks = SimulatedComm(s.tp), list(range(s.tp))
     else:

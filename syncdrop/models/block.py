@@ -153,7 +153,8 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x if b is None else x + b
 
 
-def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor | None) -> torch.Tensor:
+def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor | None, scale: bool = True,
+                   mask: str = "fixed") -> torch.Tensor:
     """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (papers.md §7):
 
     ``out_r = concat(AllReduce(y[..., :k]) + b[:k],  sqrt(N) * (y_r[..., k:] + b[k:]))``
@@ -162,24 +163,51 @@ def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor 
     private: each rank keeps its own, scaled by sqrt(N). The bias is added once, after the sum and
     before the scaling. Returns ``(R, M, h)`` (``(1, M, h)`` when ``k == h``: an ordinary all-reduce).
     Only ``k`` channels travel: the all-reduce payload is ``k / h`` of a full one.
+
+    Ablations (:class:`~syncdrop.plan.Partial`): ``scale=False`` keeps private channels unscaled;
+    ``mask="random"`` shares a fresh random set of ``k`` channels per call (drawn from the
+    communicator's generator, so every rank draws the same set); ``mask="topk"`` lets each rank
+    share, per token, its own ``k`` largest-magnitude channels (a masked all-reduce of all ``h``
+    channels; a channel's sum holds only the ranks that chose it).
     """
     h = y.shape[-1]
-    if k >= h:
+    s = math.sqrt(comm.tp) if scale else 1.0
+    if mask == "fixed" and k >= h:
         return _add(comm.all_reduce(y), b)
-    parts = []
-    if k > 0:
-        shared = _add(comm.all_reduce(y[..., :k]), None if b is None else b[:k])  # (1, M, k)
-        parts.append(shared.expand(y.shape[0], -1, -1))
-    private = _add(y[..., k:], None if b is None else b[k:])  # (R, M, h-k)
-    parts.append(private * math.sqrt(comm.tp))
-    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    yb = _add(y, b)  # each rank's value with the bias; private channels are these, scaled
+    if mask == "topk":
+        if k == 0:
+            return yb * s
+        m = torch.zeros_like(y, dtype=torch.bool).scatter_(-1, yb.abs().topk(k, dim=-1).indices, True)
+        shared = _add(comm.all_reduce(torch.where(m, y, torch.zeros_like(y))), b)  # bias once, after the sum
+        return torch.where(m, shared.expand_as(y), yb * s)
+    if mask == "random":
+        idx = torch.randperm(h, generator=_mask_generator(comm))[:k].to(y.device)
+    else:
+        idx = torch.arange(k, device=y.device)
+    out = yb * s
+    if k == 0:
+        return out
+    shared = comm.all_reduce(y.index_select(-1, idx))  # (1, M, k): only k channels travel
+    if b is not None:
+        shared = shared + b[idx]
+    return out.index_copy(-1, idx, shared.expand(y.shape[0], -1, -1))
+
+
+def _mask_generator(comm: Communicator) -> torch.Generator:
+    """Per-communicator generator for random channel masks: every rank advances it identically."""
+    g = getattr(comm, "_mask_generator", None)
+    if g is None:
+        g = torch.Generator().manual_seed(0)
+        comm._mask_generator = g
+    return g
 
 
 def _sync(comm: Communicator, y: torch.Tensor, mode, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x + Sync(y) + b`` for a sync point in ``mode`` (``"full"`` or a ``Partial``)."""
     if mode == "full":
         return _add(x + comm.all_reduce(y), b)
-    return x + partial_reduce(comm, y, mode.channels(y.shape[-1]), b)
+    return x + partial_reduce(comm, y, mode.channels(y.shape[-1]), b, mode.scale, mode.mask)
 
 
 def block_forward(
