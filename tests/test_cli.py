@@ -74,3 +74,11 @@ def test_subprocess_error_has_no_traceback(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "syncdrop", "ppl", "--tp", "two"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--tp" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_building_the_parser_imports_neither_torch_nor_lm_eval() -> None:
+    """`syncdrop --help` and usage errors stay fast: heavy imports happen inside the commands."""
+    code = ("import sys, syncdrop.cli as c; c.build_parser(); "
+            "assert 'torch' not in sys.modules and 'lm_eval' not in sys.modules, "
+            "[m for m in sys.modules if m.startswith(('torch', 'lm_eval'))][:3]")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,7 +9,7 @@ from syncdrop.errors import SyncdropError
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    from syncdrop.caat.train import TrainSettings
+    from syncdrop.caat.settings import TrainSettings
 
     d = TrainSettings()
     p = subparsers.add_parser(
@@ -39,7 +39,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace):
-    from syncdrop.caat.train import TrainSettings
+    from syncdrop.caat.settings import TrainSettings
 
     s = TrainSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)})
     s.check()

@@ -1,6 +1,7 @@
 """Sync-Point Drop tooling: per-block sensitivity profiling (:mod:`syncdrop.spd.profile`) and
-sensitivity-guided planning (:mod:`syncdrop.spd.planning`), papers.md §3. Block-to-block
-distillation and head grouping are to come.
+sensitivity-guided planning (:mod:`syncdrop.spd.planning`), papers.md §3; block-to-block
+distillation (:mod:`syncdrop.spd.distill`), head grouping (:mod:`syncdrop.spd.head_grouping`) and
+distilled checkpoint directories (:mod:`syncdrop.spd.checkpoint`), §4-5.
 
 Exports are loaded lazily so that building the CLI parser does not import torch.
 """
@@ -14,6 +15,8 @@ PROFILE_FORMAT = "syncdrop-profile"
 PROFILE_VERSION = 1
 SENSITIVITIES = ("progressive", "isolated")
 TIERS = ("zs", "b2b", "hg+b2b")
+HG_UNITS = ("group", "head")  # head grouping moves whole KV groups or single query heads
+HG_MLP = ("shard", "channel", "none")  # MLP matching: whole shards, single channels, or none
 
 _EXPORTS = {
     "BlockSensitivity": "profile",
@@ -30,7 +33,7 @@ _EXPORTS = {
     "tiers": "planning",
 }
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "SENSITIVITIES", "TIERS", *_EXPORTS]
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "SENSITIVITIES", "TIERS", "HG_UNITS", "HG_MLP", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

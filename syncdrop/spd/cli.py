@@ -134,8 +134,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``distill`` on ``subparsers`` (from ``add_subparsers``)."""
     from syncdrop.plan import PLAN_SPEC_HELP
+    from syncdrop.spd import HG_MLP as MLP_MATCHING
+    from syncdrop.spd import HG_UNITS as UNITS
     from syncdrop.spd import TIERS
-    from syncdrop.spd.head_grouping import MLP_MATCHING, UNITS
 
     p = subparsers.add_parser(
         "distill", help="block-to-block distillation (B2B, optionally after head grouping) of a plan's dropped blocks",

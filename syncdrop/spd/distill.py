@@ -76,7 +76,8 @@ class DistillSettings:
     hg_samples: int = 2
 
     def check(self) -> None:
-        from syncdrop.spd.head_grouping import MLP_MATCHING, UNITS
+        from syncdrop.spd import HG_MLP as MLP_MATCHING
+        from syncdrop.spd import HG_UNITS as UNITS
 
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise SyncdropError(f"--lr must be a positive number, got {self.lr}")

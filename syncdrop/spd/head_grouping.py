@@ -41,9 +41,8 @@ from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import apply_rope
 from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import TensorSource, block_weights, local_geometry
-
-UNITS = ("group", "head")
-MLP_MATCHING = ("shard", "channel", "none")
+from syncdrop.spd import HG_MLP as MLP_MATCHING
+from syncdrop.spd import HG_UNITS as UNITS
 
 
 @dataclass
