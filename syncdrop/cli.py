@@ -103,7 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "runtime": "distributed" if built.dist else "single-process",
                 "backend": built.dist.backend if built.dist else None,
                 "device": str(built.model.device), "threads_per_rank": torch.get_num_threads(),
-                "hidden_size": built.source.config.hidden_size, "num_layers": L}
+                "hidden_size": built.source.config.hidden_size, "num_layers": L, "model_spec": args.model,
+                "model_config": built.source.config.to_dict()}
     table = markdown_table(res)
     print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
           f"{args.decode_tokens} decode tokens, link: {link.describe()}, median of {args.reps} interleaved reps")
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     from syncdrop.caat.cli import add_train_parser
 
     add_train_parser(sub)
+    from syncdrop.auto.cli import add_auto_parser
+
+    add_auto_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     _add_model_args(p, distributed=False)

@@ -351,7 +351,13 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
     times = [t for _, t in ar.values()] + [p[k] for p in plans for k in ("ttft_s", "decode_s")]
     if not all(math.isfinite(t) and t > 0 for t in times):
         raise SyncdropError(f"{where}: not a usable bench result (a time is zero, negative or not finite)")
-    cfg = _bench_model_config(run.model, hidden, layers, where)
+    if isinstance(s.get("model_config"), dict):  # written by bench since it records the architecture
+        try:
+            cfg = ModelConfig.from_dict(s["model_config"])
+        except (TypeError, ValueError) as e:
+            raise SyncdropError(f"{where}: bad model_config ({e})") from None
+    else:
+        cfg = _bench_model_config(run.model, hidden, layers, where)
     return dataclasses.replace(run, cfg=cfg)
 
 

@@ -1,0 +1,65 @@
+"""``syncdrop auto`` command-line registration (torch-free until the command runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_auto_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "auto", help="profile -> plan -> distil -> evaluate -> benchmark -> choose -> report, cached in --out",
+        description="Answer 'which sync points can I drop on my link, how much faster is it, and what does it "
+                    "cost in accuracy?'. Each stage is cached in --out and skipped when rerun with the same "
+                    "inputs; an interrupted run resumes.")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    p.add_argument("--link-bandwidth", default=None, help="the deployment link, e.g. 1GB/s (emulated here)")
+    p.add_argument("--link-latency", default=None, help="per all-reduce latency, e.g. 50us")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--max-ppl-increase", type=float, default=None,
+                   help="accuracy budget: relative perplexity increase (default 0.05 = 5%%)")
+    g.add_argument("--spd", type=float, default=None, help="fixed SPD fraction instead of a budget")
+    p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="candidate SPD fractions")
+    p.add_argument("--calib-samples", type=int, default=2, help="profiling windows (default 2)")
+    p.add_argument("--seq-len", type=int, default=256, help="window length for profile/distil/ppl (default 256)")
+    p.add_argument("--distill-samples", type=int, default=4)
+    p.add_argument("--distill-epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3, help="B2B learning rate (default 1e-3, see docs/spd.md)")
+    p.add_argument("--tau1", default="1%", help="zero-shot tier bound (default 1%% of baseline ppl)")
+    p.add_argument("--tau2", default="10%", help="B2B tier bound (default 10%% of baseline ppl)")
+    p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 test windows for perplexity")
+    p.add_argument("--zs-tasks", default="arc_easy,piqa")
+    p.add_argument("--zs-limit", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", required=True, help="run directory (stages cached here; report.html, report.md)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_auto)
+    return p
+
+
+def cmd_auto(args: argparse.Namespace) -> int:
+    from syncdrop.auto.pipeline import AutoSettings, run_auto
+    from syncdrop.errors import SyncdropError
+
+    try:
+        fractions = tuple(float(x) for x in args.fractions.split(",") if x.strip())
+    except ValueError:
+        raise SyncdropError(f"--fractions {args.fractions!r}: expected comma-separated numbers") from None
+    for name in ("calib_samples", "seq_len", "distill_samples", "distill_epochs", "eval_windows", "zs_limit",
+                 "prompt_len", "decode_tokens", "reps"):
+        if getattr(args, name) < 1:
+            raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    budget = args.max_ppl_increase if args.max_ppl_increase is not None else (None if args.spd is not None else 0.05)
+    s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
+                     args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
+                     args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
+                     args.reps, args.data_dir)
+    res = run_auto(s, args.out, progress=not args.quiet)
+    c = res["chosen"]
+    print(f"chosen: SPD fraction {c['fraction']:g} ({c['variant']}), perplexity {c['ppl']:.3f} "
+          f"({c['ppl_increase']:+.2%}), {c['ttft_basis']} TTFT {c['predicted_ttft_ms']:.1f} ms")
+    print(f"report: {res['report_html']} (and {res['report_md']})")
+    return 0

@@ -1,0 +1,327 @@
+"""``syncdrop auto``: profile -> plan -> distil -> evaluate -> benchmark -> choose -> report.
+
+Every stage writes its result to ``DIR/<stage>.json`` together with the SHA-256 of its inputs
+(settings and the results it used); a rerun with the same inputs loads it instead of recomputing,
+and an interrupted run resumes at the first stage without a valid file (distillation also resumes
+inside the stage, block by block).
+
+Stages:
+
+1. ``profile``: per-block SPD sensitivity on calibration windows (:mod:`syncdrop.spd.profile`).
+2. ``plans``: one candidate plan per SPD fraction (least sensitive blocks first, tiers by tau).
+3. ``distill``: B2B / HG+B2B for the tiered blocks of the *largest* candidate (blocks are independent,
+   so smaller candidates reuse the same blocks); every candidate becomes a ``--model`` directory
+   ``DIR/models/spdNN`` whose manifest points at those blocks.
+4. ``ppl``: WikiText-2 test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot
+   and distilled.
+5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate
+   (skipped when lm-eval is not installed).
+6. ``bench``: ``syncdrop bench --launch`` without and with the link emulation (time to first token,
+   decode step per candidate), and the cost model calibrated on the first, predicting the second.
+7. ``choice``: the candidate with the lowest *predicted* TTFT on the user's link whose measured
+   perplexity increase (distilled, else zero-shot) stays within the budget (``--max-ppl-increase``),
+   or the candidate nearest ``--spd``.
+8. ``report``: ``report.md`` and a self-contained ``report.html`` (plots embedded) with the JSON
+   behind every figure (:mod:`syncdrop.auto.report`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from syncdrop.errors import SyncdropError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    model: str = "smollm2"
+    tp: int = 2
+    link_bandwidth: str | None = None
+    link_latency: str | None = None
+    max_ppl_increase: float | None = 0.05
+    spd: float | None = None
+    fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    calib_samples: int = 2
+    seq_len: int = 256
+    distill_samples: int = 4
+    distill_epochs: int = 3
+    lr: float = 1e-3
+    tau1: str = "1%"
+    tau2: str = "10%"
+    eval_windows: int = 8
+    zs_tasks: str = "arc_easy,piqa"
+    zs_limit: int = 20
+    prompt_len: int = 128
+    decode_tokens: int = 4
+    reps: int = 3
+    data_dir: str | None = None
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Stages:
+    """Cached stage results under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path, progress: bool) -> None:
+        self.root, self.progress = root, progress
+        root.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, inputs: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        from syncdrop.io_utils import atomic_write_json
+
+        path = self.root / f"{name}.json"
+        key = _sha(inputs)
+        if path.exists():
+            try:
+                d = json.loads(path.read_text())
+                if d.get("inputs_sha256") == key:
+                    log.info("stage %s: cached (%s)", name, path)
+                    if self.progress:
+                        print(f"[auto] {name}: cached")
+                    return d
+            except json.JSONDecodeError:
+                pass
+        if self.progress:
+            print(f"[auto] {name} ...", flush=True)
+        d = {**fn(), "inputs_sha256": key}
+        atomic_write_json(path, d)
+        return d
+
+
+def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[str, Any]:
+    from syncdrop.bench.link import Link, parse_bandwidth, parse_latency
+
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise SyncdropError(f"--out {out} is a file; expected a directory")
+    link = Link(parse_bandwidth(s.link_bandwidth) if s.link_bandwidth else None,
+                parse_latency(s.link_latency) if s.link_latency else 0.0)
+    if s.tp < 2:
+        raise SyncdropError(f"--tp must be at least 2 (at --tp {s.tp} there is no sync point to drop)")
+    if (s.spd is None) == (s.max_ppl_increase is None):
+        raise SyncdropError("give exactly one of --spd or --max-ppl-increase")
+    for f in s.fractions:
+        if not 0 <= f <= 1:
+            raise SyncdropError(f"--fractions: {f} is not between 0 and 1")
+    st = Stages(root, progress)
+    cfg_in = asdict(s)
+    prof = st.run("profile", {k: cfg_in[k] for k in ("model", "tp", "calib_samples", "seq_len", "data_dir")},
+                  lambda: _profile(s, root))
+    fractions = sorted(set(s.fractions) | ({s.spd} if s.spd is not None else set()))
+    plans = st.run("plans", [prof["inputs_sha256"], fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
+    dist = st.run("distill", [plans["inputs_sha256"], s.distill_samples, s.distill_epochs, s.lr, s.seq_len],
+                  lambda: _distill(s, root, plans))
+    ppl = st.run("ppl", [dist["inputs_sha256"], s.eval_windows, s.seq_len], lambda: _ppl(s, root, plans))
+    bench = st.run("bench", [plans["inputs_sha256"], link.to_dict(), s.prompt_len, s.decode_tokens, s.reps],
+                   lambda: _bench(s, root, plans, link))
+    choice = st.run("choice", [ppl["inputs_sha256"], bench["inputs_sha256"], s.max_ppl_increase, s.spd],
+                    lambda: _choose(s, plans, ppl, bench))
+    zs = st.run("zeroshot", [choice["inputs_sha256"], s.zs_tasks, s.zs_limit], lambda: _zeroshot(s, root, choice))
+    from syncdrop.auto.report import write_report
+
+    return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link)
+
+
+def _windows(source, dataset: str, seq_len: int, n: int, data_dir: str | None):
+    from syncdrop.eval.data import load_text
+    from syncdrop.eval.perplexity import make_windows
+
+    data = load_text(dataset, data_dir)
+    ids = source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
+    return data, make_windows(ids, seq_len, n)
+
+
+def _profile(s: AutoSettings, root: Path) -> dict[str, Any]:
+    from syncdrop.runtime import build
+    from syncdrop.spd.profile import plot_profile, profile_sensitivity
+
+    built = build(s.model, s.tp, "none", executor="simulated", progress=False)
+    data, w = _windows(built.source, "wikitext2:valid", s.seq_len, s.calib_samples, s.data_dir)
+    p = profile_sensitivity(built.model, w, progress=True)
+    d = p.to_dict(built.source.name, s.tp, {"dataset": data.name, "path": data.path}, model_spec=s.model)
+    plot_profile(d, root / "profile.png")
+    return d
+
+
+def _plans(s: AutoSettings, root: Path, fractions: list[float]) -> dict[str, Any]:
+    from syncdrop.spd.planning import load_profile, make_plan
+
+    prof = load_profile(root / "profile.json")
+    out = {}
+    for f in fractions:
+        plan = make_plan(prof, spd=f, tau1=s.tau1, tau2=s.tau2)
+        path = root / "plans" / f"spd{round(f * 100):03d}.json"
+        plan.save(path)
+        out[f"{f:g}"] = {"fraction": f, "path": str(path), "dropped": plan.dropped, "tiers": plan.meta["tiers"],
+                         "predicted_ppl": plan.meta["predicted_ppl"]}
+    return {"candidates": out}
+
+
+def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
+    from syncdrop.io_utils import atomic_write_json
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.plan import SyncPlan
+    from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST
+    from syncdrop.spd.distill import DistillSettings, base_spec, distill
+
+    cands = plans["candidates"]
+    big = max(cands.values(), key=lambda c: len(c["dropped"]))
+    tiers = {int(k): v for k, v in big["tiers"].items()}
+    source = resolve_model(s.model)
+    L = source.config.num_layers
+    bank = root / "distilled"
+    trained: dict[str, Any] = {}
+    if any(t != "zs" for t in tiers.values()):
+        data, w = _windows(source, "wikitext2:valid", s.seq_len, s.distill_samples + 1, s.data_dir)
+        m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, w[:-1], w[-1:], bank,
+                    DistillSettings(s.lr, s.distill_epochs), {"dataset": data.name, "path": data.path})
+        trained = m["blocks"]
+    models = {}
+    for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
+        d = root / "models" / f"spd{round(c['fraction'] * 100):03d}"
+        blocks = {k: {**e, "file": os.path.relpath(bank / e["file"], d)} for k, e in trained.items()
+                  if int(k) in c["dropped"]}
+        plan = SyncPlan.load(c["path"], L)
+        atomic_write_json(d / MANIFEST, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                                         "base_model": base_spec(s.model), "tp": s.tp, "plan": plan.to_dict(),
+                                         "blocks": blocks, "distill": {"bank": str(bank)}})
+        models[key] = str(d)
+    return {"models": models, "trained_blocks": sorted(int(k) for k in trained),
+            "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()}}
+
+
+def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
+    from syncdrop.eval.perplexity import perplexity
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.parallel.executor import simulated_model
+    from syncdrop.plan import SyncPlan
+
+    dist = json.loads((root / "distill.json").read_text())
+    source = resolve_model(s.model)
+    cfg = source.config
+    data, w = _windows(source, "wikitext2", s.seq_len, s.eval_windows, s.data_dir)
+    base = simulated_model(cfg, source.reader, s.tp)
+    rows = []
+    for key, c in plans["candidates"].items():
+        base.plan = SyncPlan.load(c["path"], cfg.num_layers)
+        zs = perplexity(base, w, progress=False).ppl
+        src = resolve_model(dist["models"][key])
+        m = simulated_model(cfg, src.reader, s.tp, src.spd.plan, block_layouts=src.spd.layouts(cfg))
+        ds = perplexity(m, w, progress=False).ppl if src.spd.blocks else zs
+        rows.append({"fraction": c["fraction"], "ppl_zero_shot": zs, "ppl_distilled": ds})
+        log.info("spd %.2f: ppl zero-shot %.3f distilled %.3f", c["fraction"], zs, ds)
+    dense = next(r["ppl_zero_shot"] for r in rows if r["fraction"] == 0) if any(
+        r["fraction"] == 0 for r in rows) else None
+    return {"dataset": data.name, "windows": int(w.shape[0]), "seq_len": s.seq_len, "dense_ppl": dense, "rows": rows}
+
+
+def _syncdrop(args: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "syncdrop", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise SyncdropError(f"`syncdrop {' '.join(args[:1])}` failed (exit {r.returncode}): {tail}")
+
+
+def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str, Any]:
+    from syncdrop.bench import cost_model as cm
+
+    paths = [c["path"] for c in sorted(plans["candidates"].values(), key=lambda c: c["fraction"])]
+    common = ["--model", s.model, "--tp", str(s.tp), "--launch", "--plans", ",".join(paths), "--prompt-len",
+              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "-q"]
+    if s.data_dir:
+        common += ["--data-dir", s.data_dir]
+    noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
+    _syncdrop(["bench", *common, "--json", str(noemul)])
+    files = [noemul]
+    if link.active:
+        lk = []
+        if s.link_bandwidth:
+            lk += ["--link-bandwidth", s.link_bandwidth]
+        if s.link_latency:
+            lk += ["--link-latency", s.link_latency]
+        _syncdrop(["bench", *common, *lk, "--json", str(emul)])
+        files.append(emul)
+    frac = {c["path"]: c["fraction"] for c in plans["candidates"].values()}
+    target = str(files[-1])
+    try:
+        cal = cm.calibrate([cm.load_bench(str(noemul), "--calibrate")])
+        rows, calibration = cm.check(cal, [cm.load_bench(str(f)) for f in files]), cal.to_dict()
+    except SyncdropError as e:  # e.g. a model so small that compute is lost in the noise
+        log.warning("cost model not fitted: %s; choosing by measured latency", e)
+        rows, calibration = [], {"error": str(e)}
+        for f in files:
+            d = json.loads(Path(f).read_text())
+            rows += [{"file": str(f), "what": w, "plan": p["plan"], "spd_fraction": p["spd_fraction"],
+                      "measured_ms": p[f"{w}_ms"], "predicted_ms": None}
+                     for p in d["plans"] for w in ("ttft", "decode")]
+    out = []
+    for r in rows:
+        if r["what"] in ("ttft", "decode"):
+            out.append({"link": "user" if r["file"] == target and link.active else "none", "what": r["what"],
+                        "fraction": frac.get(r["plan"], r["spd_fraction"]), "measured_ms": r["measured_ms"],
+                        "predicted_ms": r["predicted_ms"]})
+    return {"files": [str(f) for f in files], "calibration": calibration, "rows": out}
+
+
+def _choose(s: AutoSettings, plans, ppl, bench) -> dict[str, Any]:
+    link = "user" if any(r["link"] == "user" for r in bench["rows"]) else "none"
+    ttft = {r["fraction"]: (r["predicted_ms"] if r["predicted_ms"] is not None else r["measured_ms"])
+            for r in bench["rows"] if r["what"] == "ttft" and r["link"] == link}
+    basis = "predicted" if all(r["predicted_ms"] is not None for r in bench["rows"]) else "measured"
+    dense = ppl["dense_ppl"]
+    cands = []
+    for r in ppl["rows"]:
+        best = min(r["ppl_zero_shot"], r["ppl_distilled"])
+        variant = "distilled" if r["ppl_distilled"] < r["ppl_zero_shot"] else "zero-shot"
+        inc = best / dense - 1 if dense else math.nan
+        cands.append({"fraction": r["fraction"], "ppl": best, "variant": variant, "ppl_increase": inc,
+                      "predicted_ttft_ms": ttft.get(r["fraction"]), "ttft_basis": basis})
+    if s.spd is not None:
+        pick = min(cands, key=lambda c: abs(c["fraction"] - s.spd))
+        why = f"--spd {s.spd}"
+    else:
+        ok = [c for c in cands if c["ppl_increase"] <= s.max_ppl_increase and c["predicted_ttft_ms"] is not None]
+        if not ok:
+            ok = [min(cands, key=lambda c: c["fraction"])]
+        pick = min(ok, key=lambda c: c["predicted_ttft_ms"])
+        why = (f"lowest {basis} TTFT on the {link} link among candidates within +{s.max_ppl_increase:.1%} "
+               "perplexity")
+    key = f"{pick['fraction']:g}"
+    return {"candidates": cands, "chosen": pick, "reason": why, "plan": plans["candidates"][key]["path"],
+            "model_dir": str(Path(plans["candidates"][key]["path"]).parent.parent / "models" /
+                             f"spd{round(pick['fraction'] * 100):03d}")}
+
+
+def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, Any]:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return {"skipped": "lm-eval is not installed (pip install 'syncdrop[eval]')"}
+    res = {}
+    chosen = choice["model_dir"] if choice["chosen"]["variant"] == "distilled" else s.model
+    plan = None if chosen != s.model else choice["plan"]
+    for name, model, p in (("dense", s.model, "none"), ("chosen", chosen, plan)):
+        out = root / f"zeroshot_{name}.json"
+        args = ["eval", "--model", model, "--tp", str(s.tp), "--tasks", s.zs_tasks, "--limit", str(s.zs_limit),
+                "--json", str(out), "-q"]
+        if p is not None:
+            args += ["--plan", p]
+        if s.data_dir:
+            args += ["--data-dir", s.data_dir]
+        _syncdrop(args)
+        res[name] = json.loads(out.read_text())["results"]
+    return {"tasks": s.zs_tasks.split(","), "limit": s.zs_limit, "results": res}

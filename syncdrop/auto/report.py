@@ -1,0 +1,176 @@
+"""The ``syncdrop auto`` report: ``report.md``, a self-contained ``report.html`` (PNG plots embedded
+as data URIs, no external files or scripts), and beside them the JSON behind every figure
+(``fig_*.json``) and every figure as a PNG."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from syncdrop.io_utils import atomic_write_bytes, atomic_write_json, atomic_write_text, provenance
+
+
+def _figure(draw, path: Path) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    draw(ax)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link) -> dict[str, Any]:
+    figs: dict[str, tuple[str, bytes]] = {}
+
+    # 1. per-block sensitivity
+    sens = {"blocks": [{"index": b["index"], "progressive": b["progressive"], "isolated": b["isolated"]}
+                       for b in prof["blocks"]], "baseline_ppl": prof["baseline_ppl"]}
+    atomic_write_json(root / "fig_sensitivity.json", sens)
+    figs["sensitivity"] = ("Per-block sensitivity (perplexity increase when the block's attention sync is dropped, "
+                           "calibration data)", (root / "profile.png").read_bytes())
+
+    # 2. accuracy vs SPD fraction
+    rows = sorted(ppl["rows"], key=lambda r: r["fraction"])
+    atomic_write_json(root / "fig_accuracy.json", ppl)
+
+    def acc(ax):
+        x = [r["fraction"] for r in rows]
+        ax.plot(x, [r["ppl_zero_shot"] for r in rows], marker="o", label="zero-shot drop")
+        ax.plot(x, [r["ppl_distilled"] for r in rows], marker="s", label="with B2B / HG+B2B")
+        ax.set_xlabel("SPD fraction")
+        ax.set_ylabel(f"{ppl['dataset']} perplexity")
+        ax.set_yscale("log")
+        ax.legend()
+
+    figs["accuracy"] = ("Accuracy vs SPD fraction", _figure(acc, root / "fig_accuracy.png"))
+
+    # 3. latency vs SPD fraction, 4. predicted vs measured
+    b = bench["rows"]
+    atomic_write_json(root / "fig_latency.json", bench)
+
+    def lat(ax):
+        for lk in sorted({r["link"] for r in b}):
+            pts = sorted((r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in b
+                         if r["link"] == lk and r["what"] == "ttft")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({lk} link)")
+            if all(p[2] is not None for p in pts):
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({lk} link)")
+        ax.set_xlabel("SPD fraction")
+        ax.set_ylabel("time to first token (ms)")
+        ax.legend(fontsize=8)
+
+    figs["latency"] = ("Time to first token vs SPD fraction", _figure(lat, root / "fig_latency.png"))
+
+    def pvm(ax):
+        for what, mk in (("ttft", "o"), ("decode", "s")):
+            pts = [(r["measured_ms"], r["predicted_ms"]) for r in b
+                   if r["what"] == what and r["predicted_ms"] is not None]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=mk, label=what)
+        lim = [0, max([r["measured_ms"] for r in b] + [r["predicted_ms"] or 0 for r in b]) * 1.05]
+        ax.plot(lim, lim, color="black", linewidth=0.7)
+        ax.set_xlabel("measured (ms)")
+        ax.set_ylabel("predicted by the cost model (ms)")
+        ax.legend()
+
+    figs["predicted_vs_measured"] = ("Cost model: predicted vs measured", _figure(pvm, root / "fig_predicted.png"))
+
+    c = choice["chosen"]
+    md = [f"# syncdrop auto: {s.model} at TP={s.tp}", "",
+          f"Link: {link.describe()}. Accuracy budget: "
+          + (f"+{s.max_ppl_increase:.1%} perplexity" if s.spd is None else f"SPD fraction {s.spd}") + ".", "",
+          f"**Choice: SPD fraction {c['fraction']:g} ({c['variant']})**: perplexity {c['ppl']:.3f} "
+          f"({c['ppl_increase']:+.2%} vs dense), {c['ttft_basis']} TTFT {c['predicted_ttft_ms']:.1f} ms. "
+          f"Reason: {choice['reason']}.", "",
+          f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
+          f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
+          "", "## Candidates", "",
+          "| SPD | ppl zero-shot | ppl distilled | best vs dense | TTFT measured ms | TTFT predicted ms |",
+          "|---:|---:|---:|---:|---:|---:|"]
+    tl = "user" if link.active else "none"
+    for r, cand in zip(rows, sorted(choice["candidates"], key=lambda x: x["fraction"]), strict=True):
+        meas = next((x["measured_ms"] for x in b if x["fraction"] == r["fraction"] and x["what"] == "ttft"
+                     and x["link"] == tl), None)
+        md.append(f"| {r['fraction']:g} | {r['ppl_zero_shot']:.3f} | {r['ppl_distilled']:.3f} | "
+                  f"{cand['ppl_increase']:+.2%} | {'' if meas is None else f'{meas:.1f}'} | "
+                  f"{cand['predicted_ttft_ms']:.1f} |")
+    if "error" in bench["calibration"]:
+        md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}); the predicted "
+               "column repeats the measured TTFT."]
+    md += ["", f"Perplexity: {ppl['dataset']}, first {ppl['windows']} windows of {ppl['seq_len']} tokens. "
+           f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", ""]
+    if "results" in zs:
+        md += ["## Zero-shot tasks", "", f"lm-eval tasks, limit {zs['limit']} per task.", "",
+               "| task | dense acc | chosen acc |", "|---|---:|---:|"]
+        for t, m in zs["results"]["dense"].items():
+            ch = zs["results"]["chosen"].get(t, {})
+            md.append(f"| {t} | {m.get('acc', float('nan')):.3f} | {ch.get('acc', float('nan')):.3f} |")
+        md.append("")
+    else:
+        md += [f"Zero-shot tasks skipped: {zs.get('skipped')}.", ""]
+    md += ["## Figures", ""]
+    names = {"sensitivity": "profile.png", "accuracy": "fig_accuracy.png", "latency": "fig_latency.png",
+             "predicted_vs_measured": "fig_predicted.png"}
+    for k, (title, _) in figs.items():
+        md.append(f"![{title}]({names[k]})")
+    md.append("")
+    text = "\n".join(md)
+    atomic_write_text(root / "report.md", text)
+    atomic_write_text(root / "report.html", _html(text, figs))
+    summary = {"chosen": c, "reason": choice["reason"], "report_md": str(root / "report.md"),
+               "report_html": str(root / "report.html"), "provenance": provenance()}
+    atomic_write_json(root / "summary.json", summary)
+    return summary
+
+
+def _html(md_text: str, figs: dict[str, tuple[str, bytes]]) -> str:
+    """Minimal Markdown (headings, tables, paragraphs) to HTML, with the figures inlined."""
+    out, table = [], []
+
+    def flush() -> None:
+        if table:
+            rows = [r.strip("|").split("|") for r in table if not set(r) <= set("|-: ")]
+            head, body = rows[0], rows[1:]
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(c.strip())}</th>" for c in head) + "</tr>"
+                       + "".join("<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in r) + "</tr>"
+                                 for r in body) + "</table>")
+            table.clear()
+
+    for line in md_text.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush()
+        if line.startswith("!["):
+            continue
+        if line.startswith("## "):
+            out.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            out.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.strip():
+            esc = html.escape(line).replace("**", "")
+            out.append(f"<p>{esc}</p>")
+    flush()
+    for title, png in figs.values():
+        b64 = base64.b64encode(png).decode()
+        out.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{b64}'>"
+                   f"<figcaption>{html.escape(title)}</figcaption></figure>")
+    style = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:3px 8px;text-align:right}"
+             "img{max-width:100%}figure{margin:1.5em 0}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>syncdrop auto report</title>"
+            f"<style>{style}</style></head><body>{''.join(out)}</body></html>\n")
+
+
+def load_summary(root: Path) -> dict[str, Any]:
+    return json.loads((root / "summary.json").read_text())
