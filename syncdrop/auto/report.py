@@ -8,6 +8,7 @@ import base64
 import html
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,15 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
     b = bench["rows"]
     atomic_write_json(root / "fig_latency.json", bench)
 
+    names = {"none": "no emulation", "user": link.describe()}
+
     def lat(ax):
         for lk in sorted({r["link"] for r in b}):
             pts = sorted((r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in b
                          if r["link"] == lk and r["what"] == "ttft")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({lk} link)")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({names[lk]})")
             if all(p[2] is not None for p in pts):
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({lk} link)")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({names[lk]})")
         ax.set_xlabel("SPD fraction")
         ax.set_ylabel("time to first token (ms)")
         ax.legend(fontsize=8)
@@ -119,10 +122,10 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
     else:
         md += [f"Zero-shot tasks skipped: {zs.get('skipped')}.", ""]
     md += ["## Figures", ""]
-    names = {"sensitivity": "profile.png", "accuracy": "fig_accuracy.png", "latency": "fig_latency.png",
+    files = {"sensitivity": "profile.png", "accuracy": "fig_accuracy.png", "latency": "fig_latency.png",
              "predicted_vs_measured": "fig_predicted.png"}
     for k, (title, _) in figs.items():
-        md.append(f"![{title}]({names[k]})")
+        md.append(f"![{title}]({files[k]})")
     md.append("")
     text = "\n".join(md)
     atomic_write_text(root / "report.md", text)
@@ -158,7 +161,7 @@ def _html(md_text: str, figs: dict[str, tuple[str, bytes]]) -> str:
         elif line.startswith("# "):
             out.append(f"<h1>{html.escape(line[2:])}</h1>")
         elif line.strip():
-            esc = html.escape(line).replace("**", "")
+            esc = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(line)).replace("**", "")
             out.append(f"<p>{esc}</p>")
     flush()
     for title, png in figs.values():
