@@ -41,8 +41,10 @@ bench-forward: $(STAMP)
 	$(BIN)/python benchmarks/bench_forward.py --out results/bench_forward
 
 spd-sweep: $(STAMP)
-	$(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants b2b,hg+b2b --out results/spd_sweep_tp3
-	$(BIN)/python benchmarks/spd_sweep.py --tp 2 --lr 1e-3 --variants b2b --fractions 0,0.2,0.4,0.6,0.8,1.0 \
+	$(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants b2b,hg+b2b --last-epoch \
+		--out results/spd_sweep_tp3
+	$(BIN)/python benchmarks/spd_sweep.py --tp 2 --lr 1e-3 --variants b2b --last-epoch \
+		--fractions 0,0.2,0.4,0.6,0.8,1.0 \
 		--out results/spd_sweep_tp2
 
 lr-scan: $(STAMP)

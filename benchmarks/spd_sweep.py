@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=16, help="test windows evaluated")
+    ap.add_argument("--last-epoch", action="store_true",
+                    help="distilled blocks keep their last epoch (how results/spd_sweep_tp* were made, before "
+                         "best-epoch selection existed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         tier, unit, mlp = VARIANTS[v]
         bank_dir = out / f"bank_{v}"
-        s = DistillSettings(lr, args.epochs, 1, 0.0, 0, unit, mlp)
+        s = DistillSettings(lr, args.epochs, 1, 0.0, 0, unit, mlp, keep_best=not args.last_epoch)
         log.info("bank %s: distilling (or reusing) all %d blocks", v, L)
         distill(source, args.tp, SyncPlan.uniform(L, "drop"), dict.fromkeys(range(L), tier), cw[: args.calib_samples],
                 cw[args.calib_samples :], bank_dir, s, {"dataset": calib.name, "path": calib.path,

@@ -176,3 +176,22 @@ def test_distributed_runs_distilled_grouped_dir(tiny_llama_dir, tmp_path) -> Non
     for spec in plans:
         sim.plan = parse_plan(spec, src.config.num_layers)
         assert (got[spec] - sim(ids)).abs().max() <= 1e-5, spec
+
+
+def test_keep_best_never_leaves_a_block_worse_than_zero_shot(tiny_llama_dir, tmp_path) -> None:
+    """With a learning rate far too high the last epoch is worse than zero-shot on held-out data;
+    best-epoch selection then keeps the original weights (epoch 0)."""
+    src = resolve_model(str(tiny_llama_dir))
+    L = src.config.num_layers
+    w = _windows(src, 6, 32)
+    plan = SyncPlan.dropping(L, [0])
+    out = {}
+    for keep in (True, False):
+        m = distill(src, 2, plan, {0: "b2b"}, w[:4], w[4:], tmp_path / str(keep),
+                    DistillSettings(lr=0.5, epochs=2, keep_best=keep), {}, progress=False)
+        out[keep] = m["blocks"]["0"]["stats"]
+    assert out[False]["heldout_loss"] > out[False]["heldout_loss_zs"]
+    assert out[True]["selected_epoch"] == 0 and out[True]["heldout_loss"] == out[True]["heldout_loss_zs"]
+    ck = resolve_model(str(tmp_path / "True"))
+    for n in ck.reader.overridden():
+        assert torch.equal(ck.reader.get(n), src.reader.get(n)), n

@@ -166,6 +166,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hg-mlp", default="shard", choices=MLP_MATCHING,
                    help="MLP matching: whole shards (default), single channels, or none")
     p.add_argument("--hg-samples", type=int, default=2, help="calibration windows for head grouping (default 2)")
+    p.add_argument("--last-epoch", action="store_true",
+                   help="keep the last epoch's weights (default: the epoch with the lowest held-out loss, "
+                        "the original weights included)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_distill)
@@ -200,7 +203,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     tiers = {i: (args.tier if args.tier != "auto" else given.get(i, "b2b")) for i in plan.dropped}
     settings = DistillSettings(args.lr if args.lr is not None else default_lr(source.config), args.epochs,
                                args.batch_size, args.weight_decay, args.seed, args.hg_unit, args.hg_mlp,
-                               args.hg_samples)
+                               args.hg_samples, keep_best=not args.last_epoch)
     settings.check()
     ids = source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
     need = args.samples + args.heldout
