@@ -92,10 +92,10 @@ def test_tiers_assigned_by_thresholds(profile_path) -> None:
     want = {i: "zs" if s <= 0.01 else ("b2b" if s <= 0.3 else "hg+b2b") for i, s in enumerate(PROG)}
     assert tiers(plan) == want
     assert tiers(plan)[5] == "zs" and tiers(plan)[4] == "b2b" and tiers(plan)[0] == "hg+b2b"
-    # percentages of the baseline ppl; the defaults are 0.1% and 1%
+    # percentages of the baseline ppl
     pct = make_plan(prof, spd=1.0, tau1="0.1%", tau2="1%")
     assert pct.meta["tau1"] == pytest.approx(0.01) and pct.meta["tau2"] == pytest.approx(0.1)
-    assert tiers(make_plan(prof, spd=1.0)) == tiers(pct)
+    assert tiers(make_plan(prof, spd=1.0)) == tiers(make_plan(prof, spd=1.0, tau1="0", tau2="1%"))  # defaults
     assert tiers(pct)[1] == "b2b" and tiers(pct)[8] == "b2b" and tiers(pct)[4] == "hg+b2b"
     # only dropped blocks get a tier
     assert set(tiers(make_plan(prof, spd=0.3))) == set(make_plan(prof, spd=0.3).dropped)

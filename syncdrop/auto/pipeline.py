@@ -58,8 +58,8 @@ class AutoSettings:
     distill_samples: int = 4
     distill_epochs: int = 3
     lr: float = 1e-3
-    tau1: str = "1%"
-    tau2: str = "10%"
+    tau1: str = "0"
+    tau2: str = "1%"
     eval_windows: int = 8
     zs_tasks: str = "arc_easy,piqa"
     zs_limit: int = 20

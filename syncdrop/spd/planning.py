@@ -15,10 +15,12 @@ sensitive are dropped:
 Each dropped block gets a tier (papers.md §3) by its sensitivity ``s``: ``zs`` (zero-shot drop,
 ``s <= tau1``), ``b2b`` (block-to-block distillation, ``tau1 < s <= tau2``), ``hg+b2b`` (head
 grouping then B2B, ``s > tau2``). The thresholds are perplexity deltas, given absolute or as a
-percentage of the baseline perplexity (``"0.1%"``). The defaults, 0.1% and 1% of the baseline
-perplexity, are *provisional*: the paper does not publish its values, and these are to be replaced
-once B2B and HG are measured. The tier is advisory: today every dropped block runs as the
-zero-shot SPD block (``attn: drop``).
+percentage of the baseline perplexity (``"0.1%"``). Defaults, from measurements on SmolLM2
+(docs/spd.md, results/spd_sweep_tp3): ``tau1 = 0``, so only blocks that the profile finds harmless
+(s <= 0) are dropped zero-shot. Even those cost +2.3% test perplexity at TP=3 (blocks 7, 24, 28),
+which B2B brings back to 0%; a 4 x 512-token profile cannot resolve deltas below about 0.6 ppl.
+``tau2 = 1%`` of the baseline: above it, HG+B2B, which beat B2B at every SPD fraction from 0.2 to 1.0
+there. ``syncdrop distill`` trains the b2b and hg+b2b blocks; zs blocks keep their weights.
 
 ``SyncPlan.from_dict`` keeps only ``attn``/``mlp`` per block, so tiers live in
 ``plan.meta["tiers"]`` as ``{"<block index>": tier}`` (string keys, as JSON has them), next to the
@@ -39,7 +41,7 @@ from syncdrop.errors import SyncdropError
 from syncdrop.plan import SyncPlan
 from syncdrop.spd import PROFILE_FORMAT, SENSITIVITIES
 
-DEFAULT_TAU1 = "0.1%"
+DEFAULT_TAU1 = "0"
 DEFAULT_TAU2 = "1%"
 
 
@@ -185,7 +187,7 @@ def make_plan(
         "tau1": t1,
         "tau2": t2,
         "tau_spec": {"tau1": str(tau1), "tau2": str(tau2)},
-        "tau_note": "provisional thresholds (perplexity deltas); the paper does not publish its values",
+        "tau_note": "perplexity deltas; defaults measured on SmolLM2 (docs/spd.md); the paper publishes none",
         "tiers": {str(i): tier_of(sens[i], t1, t2) for i in sorted(chosen)},
         "sensitivities": {str(i): sens[i] for i in sorted(chosen)},
         "predicted_ppl_increase": predicted,
