@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The main job on the default model: which sync points to drop on a 1 GB/s link within +5% perplexity,
-# how much faster, at what accuracy cost; ~10 min on 2 cores; rerunning reuses every finished stage.
+# how much faster, at what accuracy cost; ~6 min on 2 cores; rerunning reuses every finished stage.
 demo: $(STAMP)
 	$(BIN)/syncdrop auto --model smollm2 --tp 2 --link-bandwidth 1GB/s --link-latency 50us \
 		--max-ppl-increase 0.05 --out runs/demo
