@@ -17,7 +17,7 @@ from syncdrop.models.block import Communicator, ForwardContext, LayerKV, block_f
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import inv_frequencies, rope_tables
 from syncdrop.parallel.comm import SimulatedComm
-from syncdrop.parallel.sharding import ShardLayout
+from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import BlockWeights, TensorSource, block_weights, local_geometry
 from syncdrop.plan import SyncPlan
 
@@ -205,14 +205,9 @@ class TPModel:
 
 
 def vocab_slices(vocab: int, tp: int) -> list[range]:
-    """Contiguous near-equal vocabulary ranges of the vocab-parallel LM head, one per rank."""
-    base, extra = divmod(vocab, tp)
-    out, start = [], 0
-    for r in range(tp):
-        n = base + (1 if r < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
+    """Contiguous near-equal vocabulary ranges of the vocab-parallel LM head, one per rank (the
+    sharding rule's even split)."""
+    return _even_split(vocab, tp)
 
 
 def simulated_model(

@@ -186,18 +186,8 @@ def _mlp_norm(src, cfg, tp, layer, head_order, ffn_order, local_inputs) -> float
     geo = local_geometry(cfg, lay, range(tp))
     w = block_weights(src, cfg, geo, lay, layer)
     sq = torch.zeros(tp, dtype=torch.float64)
-    for hn in local_inputs:
-        y = column_linear(hn, w.up_w, w.up_b, tp)  # (M, tp, G*F) with rank r's own input
-        if cfg.gated_mlp:
-            g, u = y.split([geo.ffn, geo.ffn], dim=-1)
-            a = torch.nn.functional.silu(g) * u
-        else:
-            from syncdrop.models.block import ACTIVATIONS
-
-            a = ACTIVATIONS[cfg.act](y)
-        from syncdrop.models.block import row_linear
-
-        sq += row_linear(a, w.down_w).double().pow(2).sum((1, 2))
+    for hn in local_inputs:  # (tp, M, h): rank r's own input
+        sq += mlp_partial(hn, w, geo, cfg).double().pow(2).sum((1, 2))
     return float(sq.sqrt().sum())
 
 
