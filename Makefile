@@ -51,7 +51,7 @@ lr-scan: $(STAMP)
 	$(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --out results/distill_lr_scan
 
 caat-ablation: $(STAMP)
-	$(BIN)/python benchmarks/caat_ablation.py --steps 500 --out results/caat_ablation
+	$(BIN)/python benchmarks/caat_ablation.py --steps 400 --warmup 40 --out results/caat_ablation
 
 lm-eval-parity: $(STAMP)
 	$(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity

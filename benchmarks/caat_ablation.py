@@ -9,7 +9,7 @@ Each run is resumable (rerun the same command after an interruption); finished r
 Writes ``OUT.json`` (settings, provenance, per variant: train/val loss curves, final val loss),
 ``OUT.md`` (table beside the paper's TinyLlama numbers) and ``OUT.png`` (validation curves)::
 
-    python benchmarks/caat_ablation.py --steps 500 --out results/caat_ablation
+    python benchmarks/caat_ablation.py --steps 400 --out results/caat_ablation
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output path without extension; runs go to OUT/<variant>/")
     ap.add_argument("--corpus", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn", type=int, default=688)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=40)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     corpus = args.corpus or str(data_dir() / "gutenberg")
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (tok_dir / "tokenizer.json").exists():  # one tokenizer for every run
         data = load_corpus(corpus, base.val_books, base.seed)
         train_tokenizer(data.train_text, base.vocab_size).save_pretrained(str(tok_dir))
-    runs = {}
+    runs: dict[str, dict] = {}
+    lines: list[str] = []
     for n in names:
         p, scale, mask = VARIANTS[n]
         s = replace(base, sync_fraction=p, scale=scale, mask=mask)
@@ -85,27 +86,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             logging.info("training %s", n)
             runs[n] = train(s, corpus, run)
+        lines = _write(args, runs)  # after every variant, so an interrupted ablation still leaves its table
+    print("\n".join(lines))
+    return 0
+
+
+def _write(args: argparse.Namespace, runs: dict[str, dict]) -> list[str]:
+    """Write OUT.json / OUT.md / OUT.png for the finished variants; returns the table lines."""
     rows = {n: {"sync_fraction": VARIANTS[n][0], "scale": VARIANTS[n][1], "mask": VARIANTS[n][2],
                 "final_val_loss": r["final_val_loss"], "val_loss": r["val_loss"], "train_loss": r["train_loss"],
                 "tokens_per_s_median": sorted(r["tokens_per_s"])[len(r["tokens_per_s"]) // 2]}
             for n, r in runs.items()}
     first = next(iter(runs.values()))
-    atomic_write_json(f"{args.out}.json", {"settings": {k: v for k, v in first["settings"].items()
-                                                       if k not in ("sync_fraction", "scale", "mask")},
-                                           "train_books": first["train_books"], "val_books": first["val_books"],
-                                           "train_tokens": first["train_tokens"], "provenance": provenance(),
-                                           "variants": rows})
+    settings = {k: v for k, v in first["settings"].items() if k not in ("sync_fraction", "scale", "mask")}
+    atomic_write_json(f"{args.out}.json", {"settings": settings, "train_books": first["train_books"],
+                                           "val_books": first["val_books"], "train_tokens": first["train_tokens"],
+                                           "provenance": provenance(), "variants": rows})
     ref = rows.get("p=1", {}).get("final_val_loss")
     lines = [f"CAAT-Net ablation: TP={args.tp} simulated, {args.layers} layers, h={args.hidden}, {args.steps} steps of "
-             f"{args.batch}x{args.seq_len} tokens; validation = held-out books {first['val_books']}.", "",
+             f"{args.batch}x{args.seq_len} tokens ({args.steps * args.batch * args.seq_len:,} tokens); validation = "
+             f"held-out books {first['val_books']}.", "",
              "| variant | final val loss | vs p=1 | paper (TinyLlama 1.1B, TP 8) |", "|---|---:|---:|---:|"]
     for n, r in rows.items():
         d = f"{r['final_val_loss'] - ref:+.3f}" if ref is not None else ""
         lines.append(f"| {n} | {r['final_val_loss']:.4f} | {d} | {PAPER.get(n, '')} |")
     atomic_write_text(f"{args.out}.md", "\n".join(lines) + "\n")
     _plot(rows, f"{args.out}.png")
-    print("\n".join(lines))
-    return 0
+    return lines
 
 
 def _plot(rows: dict, path: str) -> None:

@@ -83,9 +83,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     link = _link(args)
     built = _build(args, progress=False)
     L = built.source.config.num_layers
-    spd = built.source.spd
-    plans = [(s, spd.plan if s == "model" and spd is not None else parse_plan(s, L, args.drop_variant))
-             for s in specs]
+    own = built.source.own_plan()
+    if "model" in specs and own is None:
+        raise SyncdropError(f"--plans model: {args.model} has no plan of its own (a `syncdrop distill` directory "
+                            "or a `syncdrop train` export has one)")
+    plans = [(s, own if s == "model" else parse_plan(s, L, args.drop_variant)) for s in specs]
     text = load_text(args.dataset, args.data_dir).text
     n_chars = 40 * args.prompt_len * args.batch  # plenty of text for the prompt tokens
     ids = built.source.load_tokenizer()(text[:n_chars], add_special_tokens=False)["input_ids"]

@@ -78,11 +78,13 @@ EXECUTORS = ("auto", "simulated", "hf")
 
 
 def resolve_plan(source, plan_spec: str | None, drop_variant: str = "drop") -> SyncPlan:
-    """The plan to run: ``plan_spec`` parsed, or (``None``) the plan a ``syncdrop distill``
-    directory was made for, else ``none``."""
+    """The plan to run: ``plan_spec`` parsed, or (``None``) the model's own plan (the one a
+    ``syncdrop distill`` directory was made for or a ``syncdrop train`` export was trained with),
+    else ``none``."""
     cfg = source.config
     if plan_spec is None:
-        return source.spd.plan if source.spd is not None else SyncPlan.uniform(cfg.num_layers)
+        own = source.own_plan()
+        return own if own is not None else SyncPlan.uniform(cfg.num_layers)
     plan = parse_plan(plan_spec, cfg.num_layers, drop_variant)
     if source.spd is not None:
         kept = sorted(set(source.spd.blocks) - set(plan.dropped))
@@ -93,10 +95,15 @@ def resolve_plan(source, plan_spec: str | None, drop_variant: str = "drop") -> S
 
 
 def check_checkpoint_tp(source, tp: int) -> None:
-    """A distilled directory only runs at the TP degree its blocks were trained for."""
+    """A distilled directory only runs at the TP degree its blocks were trained for; a model trained
+    with partial sync is only the trained model at its training degree (warning)."""
     if source.spd is not None and source.spd.tp != tp:
         raise SyncdropError(f"--tp {tp}: model {source.spec} was distilled for --tp {source.spd.tp} "
                             "(its SPD blocks are trained for that split of heads over ranks)")
+    t = source.trained
+    if t is not None and t.plan.has_partial and t.tp is not None and t.tp != tp:
+        log.warning("model %s was trained with partial sync at tp=%d; at --tp %d its private channels are split "
+                    "differently, so it is not the trained model", source.spec, t.tp, tp)
 
 
 def build(model_spec: str, tp: int, plan_spec: str | None, dtype: str = "float32", executor: str = "auto",

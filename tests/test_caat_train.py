@@ -122,9 +122,14 @@ def test_train_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch, capsys
     rb = json.loads((tmp_path / "b.json").read_text())
     assert rb["train_loss"] == pytest.approx(ra["train_loss"], abs=1e-5)
     capsys.readouterr()
-    assert main(["ppl", "--model", str(a / "model"), "--tp", "2", "--plan", str(a / "model" / "plan.json"),
-                 "--dataset", str(corpus / "a.txt"), "--seq-len", "32", "--max-windows", "2", "-q"]) == 0
+    ppl = {}
+    for plan in ([], ["--plan", str(a / "model" / "plan.json")], ["--plan", "none"]):  # default = its own plan
+        j = tmp_path / f"ppl{len(ppl)}.json"
+        assert main(["ppl", "--model", str(a / "model"), "--tp", "2", *plan, "--dataset", str(corpus / "a.txt"),
+                     "--seq-len", "32", "--max-windows", "2", "-q", "--json", str(j)]) == 0
+        ppl[" ".join(plan[1:]) or "default"] = json.loads(j.read_text())["ppl"]
     assert "ppl" in capsys.readouterr().out
+    assert ppl["default"] == ppl[str(a / "model" / "plan.json")] != ppl["none"]
     # other settings in the same directory: refused
     assert main(_train_args(a, corpus, steps=7)) == 2
     assert "other settings" in capsys.readouterr().err

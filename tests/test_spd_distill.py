@@ -195,3 +195,29 @@ def test_keep_best_never_leaves_a_block_worse_than_zero_shot(tiny_llama_dir, tmp
     ck = resolve_model(str(tmp_path / "True"))
     for n in ck.reader.overridden():
         assert torch.equal(ck.reader.get(n), src.reader.get(n)), n
+
+
+def test_bank_subset_equals_distilling_the_plan(tiny_llama_dir, tmp_path) -> None:
+    """``write_subset``: a bank distilled for blocks {0, 1}, restricted to a plan dropping block 1,
+    gives the same tensors, layout and logits as distilling that plan directly (block inputs come
+    from the original model; seeds are per block)."""
+    from syncdrop.spd.checkpoint import write_subset
+
+    src = resolve_model(str(tiny_llama_dir))
+    L = src.config.num_layers
+    _distill(src, 2, tmp_path / "bank", "hg+b2b", blocks=(0, 1), epochs=2)
+    direct = tmp_path / "direct"
+    _distill(src, 2, direct, "hg+b2b", blocks=(1,), epochs=2)
+    plan = SyncPlan.dropping(L, [1])
+    write_subset(tmp_path / "subset", tmp_path / "bank", plan, str(tiny_llama_dir), 2)
+    a, b = resolve_model(str(tmp_path / "subset")), resolve_model(str(direct))
+    assert sorted(a.spd.blocks) == [1] and a.spd.plan.dropped == [1]
+    assert a.spd.blocks[1]["head_order"] == b.spd.blocks[1]["head_order"]
+    for n in layer_names(1, src.config):
+        assert torch.equal(a.reader.get(n), b.reader.get(n)), n
+    x = _windows(src, 2, 16, seed=3)
+    la = simulated_model(src.config, a.reader, 2, a.spd.plan, block_layouts=a.spd.layouts(src.config))(x)
+    lb = simulated_model(src.config, b.reader, 2, b.spd.plan, block_layouts=b.spd.layouts(src.config))(x)
+    assert torch.equal(la, lb)
+    with pytest.raises(Exception, match="tp=2"):
+        write_subset(tmp_path / "bad", tmp_path / "bank", plan, str(tiny_llama_dir), 3)

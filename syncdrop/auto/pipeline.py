@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -136,13 +135,13 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
     return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link)
 
 
-def _windows(source, dataset: str, seq_len: int, n: int, data_dir: str | None):
+def _windows(source, dataset: str, seq_len: int, n: int, data_dir: str | None, required: int | None = None):
     from syncdrop.eval.data import load_text
-    from syncdrop.eval.perplexity import make_windows
+    from syncdrop.eval.perplexity import text_windows
 
     data = load_text(dataset, data_dir)
-    ids = source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
-    return data, make_windows(ids, seq_len, n)
+    return data, text_windows(source.load_tokenizer(), data.text, seq_len, n, f"{dataset} ({data.path})",
+                              required)
 
 
 def _profile(s: AutoSettings, root: Path) -> dict[str, Any]:
@@ -175,7 +174,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, An
     from syncdrop.io_utils import atomic_write_json
     from syncdrop.models.loading import resolve_model
     from syncdrop.plan import SyncPlan
-    from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST
+    from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, write_subset
     from syncdrop.spd.distill import DistillSettings, base_spec, distill
 
     cands = plans["candidates"]
@@ -193,12 +192,13 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, An
     models = {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
         d = root / "models" / f"spd{round(c['fraction'] * 100):03d}"
-        blocks = {k: {**e, "file": os.path.relpath(bank / e["file"], d)} for k, e in trained.items()
-                  if int(k) in c["dropped"]}
         plan = SyncPlan.load(c["path"], L)
-        atomic_write_json(d / MANIFEST, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-                                         "base_model": base_spec(s.model), "tp": s.tp, "plan": plan.to_dict(),
-                                         "blocks": blocks, "distill": {"bank": str(bank)}})
+        if trained:
+            write_subset(d, bank, plan, base_spec(s.model), s.tp)
+        else:  # nothing distilled (every dropped block zero-shot): the candidate is the base model + plan
+            atomic_write_json(d / MANIFEST, {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                                             "base_model": base_spec(s.model), "tp": s.tp, "plan": plan.to_dict(),
+                                             "blocks": {}})
         models[key] = str(d)
     return {"models": models, "trained_blocks": sorted(int(k) for k in trained),
             "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()}}
@@ -213,7 +213,7 @@ def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
     dist = json.loads((root / "distill.json").read_text())
     source = resolve_model(s.model)
     cfg = source.config
-    data, w = _windows(source, "wikitext2", s.seq_len, s.eval_windows, s.data_dir)
+    data, w = _windows(source, "wikitext2", s.seq_len, s.eval_windows, s.data_dir, required=1)
     base = simulated_model(cfg, source.reader, s.tp)
     rows = []
     for key, c in plans["candidates"].items():

@@ -96,9 +96,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def evaluate(lm: Any, names: list[str], data_dir: Any, limit: int | None, bootstrap_iters: int,
-             quiet: bool = False) -> dict[str, Any] | None:
+             quiet: bool = False, log_samples: bool = False) -> dict[str, Any] | None:
     """lm-eval's ``simple_evaluate`` on the local tasks ``names`` (zero-shot); its raw result dict
-    on the main process, None elsewhere."""
+    on the main process, None elsewhere. ``log_samples``: keep per-document results under
+    ``samples`` (task -> list of ``{"doc_id", "acc", ...}``)."""
     import datasets
     from lm_eval import simple_evaluate
 
@@ -107,7 +108,7 @@ def evaluate(lm: Any, names: list[str], data_dir: Any, limit: int | None, bootst
     if quiet:
         datasets.disable_progress_bar()
     res = simple_evaluate(model=lm, tasks=names, limit=limit, bootstrap_iters=bootstrap_iters,
-                          task_manager=task_manager(data_dir), log_samples=False)
+                          task_manager=task_manager(data_dir), log_samples=log_samples)
     return res if lm.is_main else None
 
 

@@ -51,6 +51,17 @@ def make_windows(token_ids: list[int] | torch.Tensor, seq_len: int, max_windows:
     return ids[: n * seq_len].view(n, seq_len)
 
 
+def text_windows(tokenizer, text: str, seq_len: int, count: int, what: str, required: int | None = None
+                 ) -> torch.Tensor:
+    """The first ``count`` windows of ``seq_len`` tokens of ``text`` as a ``(W, seq_len)`` tensor
+    (no special tokens added; W <= count); a :class:`SyncdropError` naming ``what`` (e.g.
+    ``"--calib wikitext2:valid"``) when the text holds fewer than ``required`` (default ``count``)."""
+    w = make_windows(tokenizer(text, add_special_tokens=False)["input_ids"], seq_len, count)
+    if w.shape[0] < (count if required is None else required):
+        raise SyncdropError(f"{what} has only {w.shape[0]} windows of {seq_len} tokens; {count} are needed")
+    return w
+
+
 def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
     """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` -> ``(B,)`` fp32."""
     h = model.hidden_states(windows)[:, :-1]  # (B, L-1, h)

@@ -19,6 +19,7 @@ names and layouts of :mod:`syncdrop.models.config`, in float32, one tensor per `
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -71,6 +72,17 @@ class CheckpointReader(Protocol):
 
 
 @dataclass
+@dataclass(frozen=True)
+class TrainedWith:
+    """How a ``syncdrop train`` export was trained: ``plan.json`` beside its ``config.json`` and the
+    TP degree (``syncdrop_tp`` in ``config.json``). With partial sync the private channels are
+    per rank, so the model is only the trained one at that degree."""
+
+    plan: Any  # SyncPlan
+    tp: int | None
+
+
+@dataclass
 class ModelSource:
     """A resolved model: where it lives, its architecture, and how to read it."""
 
@@ -81,7 +93,15 @@ class ModelSource:
     config: ModelConfig
     reader: CheckpointReader
     spd: Any = None  # syncdrop.spd.checkpoint.SPDCheckpoint for a `syncdrop distill` directory
+    trained: TrainedWith | None = None  # the sync plan a `syncdrop train` export was trained with
     _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def own_plan(self) -> Any:
+        """The plan this model is meant to run with: a distilled directory's, or the plan a
+        ``syncdrop train`` export was trained with; None for an ordinary model."""
+        if self.spd is not None:
+            return self.spd.plan
+        return self.trained.plan if self.trained is not None else None
 
     def load_tokenizer(self) -> Any:
         """The model's ``transformers`` fast tokenizer (built once, then cached on this object).
@@ -154,12 +174,29 @@ def resolve_model(spec: str) -> ModelSource:
     if os.path.isdir(path):
         path = os.path.abspath(path)
         name = _display_name(os.path.basename(path.rstrip(os.sep)))
-        return _checked(ModelSource(spec, name, "hf", path, *_open(HFCheckpoint, path)))
+        cfg, reader = _open(HFCheckpoint, path)
+        return _checked(ModelSource(spec, name, "hf", path, cfg, reader, trained=_trained_with(path, cfg)))
     if _HUB_ID.fullmatch(spec) and not spec.startswith((".", "~")):
         local = _download(spec)
         name = _display_name(spec.split("/")[-1])
         return _checked(ModelSource(spec, name, "hf", local, *_open(HFCheckpoint, local)))
     raise SyncdropError(f"unknown model {spec}: not a file, directory, or reachable hub id")
+
+
+def _trained_with(path: str, cfg: ModelConfig) -> TrainedWith | None:
+    """The training plan of a ``syncdrop train`` export (``plan.json`` in ``path``), else None."""
+    plan_path = os.path.join(path, "plan.json")
+    if not os.path.isfile(plan_path):
+        return None
+    from syncdrop.plan import SyncPlan
+
+    plan = SyncPlan.load(plan_path, cfg.num_layers)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            tp = json.load(f).get("syncdrop_tp")
+    except (OSError, json.JSONDecodeError):
+        tp = None
+    return TrainedWith(plan, tp if isinstance(tp, int) and not isinstance(tp, bool) else None)
 
 
 def _spd_checkpoint(spec: str, path: str) -> ModelSource:

@@ -180,3 +180,27 @@ class OverlayCheckpoint:
 
     def get_cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
         return self.get(name)[:, index] if name in self._files else self.base.get_cols(name, index)
+
+
+def write_subset(out_dir: str | Path, bank: str | Path, plan: SyncPlan, base_model: str, tp: int) -> dict[str, Any]:
+    """Write a checkpoint directory for ``plan`` whose distilled blocks are the ``bank``'s blocks
+    that ``plan`` drops (no tensors are copied: entries point at the bank's files by relative path).
+
+    Valid because B2B distillation feeds each block the original model's residual stream: block
+    i's distilled weights do not depend on which other blocks are dropped, so a bank distilled
+    for plan ``all`` restricted to a plan's blocks is what ``syncdrop distill --plan PLAN`` would
+    train with the same settings. Blocks that ``plan`` drops but the bank lacks stay zero-shot.
+    Returns the manifest.
+    """
+    from syncdrop.io_utils import atomic_write_json
+
+    src = load_checkpoint(str(bank))
+    if src.tp != tp:
+        raise SyncdropError(f"bank {bank} was distilled for tp={src.tp}, not tp={tp}")
+    out = Path(out_dir)
+    blocks = {str(i): {**e, "file": os.path.relpath(os.path.join(src.path, e["file"]), out)}
+              for i, e in sorted(src.blocks.items()) if i in plan.dropped}
+    manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "base_model": base_model, "tp": tp,
+                "plan": plan.to_dict(), "blocks": blocks, "distill": {"bank": src.path}}
+    atomic_write_json(out / MANIFEST, manifest)
+    return manifest

@@ -44,7 +44,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from syncdrop.eval.data import load_text
-    from syncdrop.eval.perplexity import make_windows
+    from syncdrop.eval.perplexity import text_windows
     from syncdrop.io_utils import atomic_write_json
     from syncdrop.runtime import build
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
@@ -59,11 +59,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
     data = load_text(args.calib, args.data_dir)  # fail fast before loading the model
     built = build(args.model, args.tp, "none", args.dtype, executor="simulated", progress=not args.quiet)
-    ids = built.source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
-    windows = make_windows(ids, args.seq_len, args.samples)
-    if windows.shape[0] < args.samples:
-        raise SyncdropError(f"--calib {args.calib} has only {windows.shape[0]} windows of {args.seq_len} tokens, "
-                            f"fewer than --samples {args.samples}")
+    windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, args.samples,
+                           f"--calib {args.calib} (for --samples {args.samples})")
     prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet)
     d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path},
                      model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size)
@@ -177,7 +174,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from syncdrop.eval.data import load_text
-    from syncdrop.eval.perplexity import make_windows
+    from syncdrop.eval.perplexity import text_windows
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.sharding import check_tp
     from syncdrop.plan import parse_plan
@@ -205,12 +202,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
                                args.batch_size, args.weight_decay, args.seed, args.hg_unit, args.hg_mlp,
                                args.hg_samples, keep_best=not args.last_epoch)
     settings.check()
-    ids = source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
-    need = args.samples + args.heldout
-    windows = make_windows(ids, args.seq_len, need)
-    if windows.shape[0] < need:
-        raise SyncdropError(f"--calib {args.calib} has {windows.shape[0]} windows of {args.seq_len} tokens; "
-                            f"--samples {args.samples} + --heldout {args.heldout} need {need}")
+    windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
+                           f"--calib {args.calib} (for --samples {args.samples} + --heldout {args.heldout})")
     m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], args.out, settings,
                 {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}, progress=not args.quiet)
     print(f"{source.name} tp={args.tp}: {plan.summary()}; trained {len(m['blocks'])} blocks "

@@ -1,0 +1,223 @@
+"""Zero-shot accuracy of SPD plans through lm-evaluation-harness (issue 5, item 3).
+
+For one model and TP degree: the dense model, and for each SPD fraction the zero-shot plan and the
+HG+B2B-distilled model (the best variant of the SPD sweep, results/spd_sweep_tp3), each scored by
+lm-eval (0-shot) on the local tasks through syncdrop's adapter in the simulated executor.
+
+Steps, each cached under ``--out`` and reused when rerun with the same settings:
+
+1. drop order: the progressive sensitivity of ``--profile`` (the sweep's profile), so fraction f
+   drops the same ``round(f * L)`` blocks as the perplexity sweep;
+2. bank: every block distilled once (HG+B2B, best epoch) into ``OUT/bank`` (``syncdrop distill``
+   directory for plan ``all``); each fraction's model ``OUT/models/spdNNN`` points at the bank's
+   blocks for its plan (:func:`syncdrop.spd.checkpoint.write_subset`);
+3. evaluation: one ``OUT/runs/<config>.json`` per configuration with lm-eval's metrics and each
+   document's accuracy (for paired differences against dense).
+
+Writes ``OUT/zero_shot.json`` (command, commit, settings, per config and task: acc, acc_norm,
+stderr, n; averages; paired differences against dense with their standard error) and
+``OUT/zero_shot.md``. The committed results were made with::
+
+    OMP_NUM_THREADS=1 python benchmarks/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \\
+        --out results/zero_shot_spd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from syncdrop.eval.cli import clean_metrics, evaluate
+from syncdrop.eval.data import load_text
+from syncdrop.eval.perplexity import text_windows
+from syncdrop.eval.tasks import SIMPLE_TASKS, check_data, parse_tasks
+from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+from syncdrop.models.loading import resolve_model
+from syncdrop.plan import SyncPlan
+from syncdrop.spd.checkpoint import write_subset
+from syncdrop.spd.distill import DistillSettings, base_spec, distill
+from syncdrop.spd.planning import drop_order, load_profile
+
+log = logging.getLogger("zero_shot_spd")
+PAPER = ("SPD paper (papers.md §6): LLaMA2-70B on 8 GPUs, 70% SPD, all zero-shot: 0.94% average zero-shot accuracy "
+         "loss on ARC, HellaSwag, LAMBADA, PIQA, SciQ, WinoGrande.")
+PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "lambada_openai", "piqa", "sciq", "winogrande")
+
+
+def _eval_config(spec: str, tp: int, plan: str | None, tasks: list[str], limit: int, mmlu_limit: int,
+                 data_root: Any, batch_size: int) -> dict[str, Any]:
+    """lm-eval metrics and per-document accuracy of one configuration."""
+    from syncdrop.eval.harness import SyncdropLM
+    from syncdrop.runtime import build
+
+    built = build(spec, tp, plan, executor="simulated", progress=False)
+    lm = SyncdropLM(built=built, batch_size=batch_size, progress=True)
+    out: dict[str, Any] = {"plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "tasks": {}}
+    groups = [(t, limit) for t in tasks if t != "mmlu"]
+    if "mmlu" in tasks:
+        groups.append(("mmlu", mmlu_limit))
+    for names, lim in ((g[0], g[1]) for g in groups):
+        raw = evaluate(lm, [names], data_root, lim, bootstrap_iters=100, quiet=True, log_samples=True)
+        assert raw is not None  # one process: always the main one
+        for section in ("results", "groups"):
+            for task, metrics in raw.get(section, {}).items():
+                if task.startswith("mmlu_") and task != names:
+                    continue  # subjects and categories: only the mmlu group is reported
+                out["tasks"][task] = {**clean_metrics(metrics), "limit": lim}
+        docs: dict[str, float] = {}
+        for task, samples in raw["samples"].items():
+            for smp in samples:
+                docs[f"{task}/{smp['doc_id']}"] = float(smp["acc"])
+        out["tasks"][names]["doc_acc"] = docs
+        out["tasks"][names]["n"] = len(docs)
+        log.info("%s %s: acc %.4f (n=%d)", spec, names, out["tasks"][names]["acc"], len(docs))
+    out["forwards"] = lm.forwards
+    return out
+
+
+def _paired(dense: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
+    """Mean per-document accuracy difference (other - dense) and its standard error."""
+    keys = sorted(dense)
+    d = [other[k] - dense[k] for k in keys]
+    m = sum(d) / len(d)
+    var = sum((x - m) ** 2 for x in d) / max(1, len(d) - 1)
+    return m, math.sqrt(var / len(d))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--profile", default="results/spd_sweep_tp3/profile.json")
+    ap.add_argument("--fractions", default="0.5,0.7,1.0")
+    ap.add_argument("--tasks", default=",".join((*SIMPLE_TASKS, "mmlu")))
+    ap.add_argument("--limit", type=int, default=100, help="first K documents of each task (default 100)")
+    ap.add_argument("--mmlu-limit", type=int, default=5, help="first K questions of each MMLU subject (default 5)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--calib-samples", type=int, default=8)
+    ap.add_argument("--calib-heldout", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(args.out)
+    tasks = parse_tasks(args.tasks)
+    data_root = check_data(tasks, None)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    source = resolve_model(args.model)
+    cfg = source.config
+    L = cfg.num_layers
+    profile = load_profile(args.profile, L)
+    order = drop_order(profile.sensitivity("progressive"))
+
+    # bank: every block distilled once with HG+B2B (group units, shard matching), best epoch
+    calib = load_text("wikitext2:valid")
+    cw = text_windows(source.load_tokenizer(), calib.text, args.seq_len, args.calib_samples + args.calib_heldout,
+                      "wikitext2:valid")
+    bank = out / "bank"
+    distill(source, args.tp, SyncPlan.uniform(L, "drop"), dict.fromkeys(range(L), "hg+b2b"),
+            cw[: args.calib_samples], cw[args.calib_samples:], bank,
+            DistillSettings(args.lr, args.epochs, 1, 0.0, 0, "group", "shard", keep_best=True),
+            {"dataset": calib.name, "path": calib.path, "seq_len": args.seq_len})
+
+    configs: dict[str, tuple[str, str | None, float, str]] = {"dense": (args.model, "none", 0.0, "dense")}
+    for f in fractions:
+        plan = SyncPlan.dropping(L, sorted(order[: round(f * L)]))
+        tag = f"spd{round(f * 100):03d}"
+        plan_path = out / "plans" / f"{tag}.json"
+        plan.save(plan_path)
+        write_subset(out / "models" / tag, bank, plan, base_spec(args.model), args.tp)
+        configs[f"{tag}_zs"] = (args.model, str(plan_path), f, "zero-shot")
+        configs[f"{tag}_hg+b2b"] = (str(out / "models" / tag), None, f, "hg+b2b")
+
+    settings = {"model": source.name, "tp": args.tp, "tasks": tasks, "limit": args.limit,
+                "mmlu_limit": args.mmlu_limit, "num_fewshot": 0, "executor": "simulated", "dtype": "float32",
+                "batch_size": args.batch_size, "profile": args.profile, "drop_order": order,
+                "distill": {"tier": "hg+b2b", "hg_unit": "group", "hg_mlp": "shard", "keep_best": True,
+                            "lr": args.lr, "epochs": args.epochs, "calib_windows": args.calib_samples,
+                            "heldout_windows": args.calib_heldout, "seq_len": args.seq_len}}
+    runs: dict[str, dict[str, Any]] = {}
+    for name, (spec, plan_arg, f, variant) in configs.items():
+        path = out / "runs" / f"{name}.json"
+        key = {**settings, "config": name, "plan_arg": plan_arg}
+        if path.exists() and (d := json.loads(path.read_text())).get("key") == key:
+            runs[name] = d
+            continue
+        log.info("evaluating %s", name)
+        r = _eval_config(spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root, args.batch_size)
+        runs[name] = {"key": key, "fraction": f, "variant": variant, **r, "provenance": provenance()}
+        atomic_write_json(path, runs[name])
+    summary = _summarise(runs, tasks)
+    atomic_write_json(out / "zero_shot.json", {"settings": settings, "provenance": provenance(), "paper": PAPER,
+                                               "summary": summary,
+                                               "runs": {n: {k: v for k, v in r.items() if k != "tasks"} | {
+                                                   "tasks": {t: {k: v for k, v in m.items() if k != "doc_acc"}
+                                                             for t, m in r["tasks"].items()}}
+                                                   for n, r in runs.items()}})
+    md = _markdown(summary, tasks, settings)
+    atomic_write_text(out / "zero_shot.md", md)
+    print(md)
+    return 0
+
+
+def _summarise(runs: dict[str, dict[str, Any]], tasks: list[str]) -> dict[str, Any]:
+    dense = runs["dense"]["tasks"]
+    rows = {}
+    for name, r in runs.items():
+        accs = {t: r["tasks"][t]["acc"] for t in tasks}
+        deltas = {t: _paired(dense[t]["doc_acc"], r["tasks"][t]["doc_acc"]) for t in tasks}
+        avg_d, avg_se = _avg_delta([deltas[t] for t in tasks])
+        pt = [t for t in tasks if t in PAPER_TASKS]
+        p_d, p_se = _avg_delta([deltas[t] for t in pt])
+        p_avg = sum(accs[t] for t in pt) / len(pt) if pt else math.nan
+        p_dense = sum(dense[t]["acc"] for t in pt) / len(pt) if pt else math.nan
+        rows[name] = {"fraction": r["fraction"], "variant": r["variant"], "plan": r["plan_summary"], "acc": accs,
+                      "acc_norm": {t: r["tasks"][t].get("acc_norm") for t in tasks},
+                      "n": {t: r["tasks"][t]["n"] for t in tasks},
+                      "avg_acc": sum(accs.values()) / len(tasks),
+                      "paired_delta_vs_dense": {t: {"delta": d, "stderr": se} for t, (d, se) in deltas.items()},
+                      "avg_delta_vs_dense": avg_d, "avg_delta_stderr": avg_se,
+                      "paper_tasks": pt, "paper_avg_acc": p_avg, "paper_avg_delta_vs_dense": p_d,
+                      "paper_avg_delta_stderr": p_se, "paper_avg_relative_change": p_avg / p_dense - 1}
+    return rows
+
+
+def _avg_delta(deltas: list[tuple[float, float]]) -> tuple[float, float]:
+    """Mean of per-task paired differences and its standard error (tasks independent)."""
+    if not deltas:
+        return math.nan, math.nan
+    return (sum(d for d, _ in deltas) / len(deltas), math.sqrt(sum(se * se for _, se in deltas)) / len(deltas))
+
+
+def _markdown(summary: dict[str, Any], tasks: list[str], settings: dict[str, Any]) -> str:
+    short = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HS", "lambada_openai": "LAMBADA",
+             "piqa": "PIQA", "sciq": "SciQ", "winogrande": "WG", "mmlu": "MMLU"}
+    n = summary["dense"]["n"]
+    lines = [f"Zero-shot accuracy (`acc`), {settings['model']} TP={settings['tp']} simulated, lm-eval 0-shot on the "
+             f"local tasks: first {settings['limit']} documents per task, MMLU first {settings['mmlu_limit']} per "
+             f"subject ({n.get('mmlu', 0)} questions). Δ avg: mean paired per-document difference from dense, "
+             "averaged over tasks, ± its standard error. *paper avg*: the paper's six benchmarks (ARC-e and ARC-c, "
+             "HellaSwag, LAMBADA, PIQA, SciQ, WinoGrande; no MMLU), with its change relative to dense.", "",
+             "| config | " + " | ".join(short.get(t, t) for t in tasks) + " | avg | Δ avg vs dense | paper avg | "
+             "Δ paper avg (relative) |",
+             "|---|" + "---:|" * (len(tasks) + 4)]
+    for name, r in summary.items():
+        cells = " | ".join(f"{r['acc'][t]:.3f}" for t in tasks)
+        delta = "" if name == "dense" else f"{r['avg_delta_vs_dense']:+.3f} ± {r['avg_delta_stderr']:.3f}"
+        pdelta = "" if name == "dense" else (f"{r['paper_avg_delta_vs_dense']:+.3f} ± {r['paper_avg_delta_stderr']:.3f}"
+                                             f" ({r['paper_avg_relative_change']:+.1%})")
+        label = "dense" if name == "dense" else f"SPD {r['fraction']:.0%} {r['variant']}"
+        lines.append(f"| {label} | {cells} | {r['avg_acc']:.3f} | {delta} | {r['paper_avg_acc']:.3f} | {pdelta} |")
+    lines += ["", PAPER]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
