@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint ablation bench-forward spd-sweep lr-scan caat-ablation lm-eval-parity clean
+.PHONY: demo test test-slow lint ablation bench-forward spd-sweep lr-scan caat-ablation caat-latency lm-eval-parity \
+	zero-shot-spd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +53,13 @@ lr-scan: $(STAMP)
 
 caat-ablation: $(STAMP)
 	$(BIN)/python benchmarks/caat_ablation.py --steps 400 --warmup 40 --out results/caat_ablation
+
+caat-latency: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/caat_latency.py --out results/caat_latency
+
+zero-shot-spd: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \
+		--out results/zero_shot_spd
 
 lm-eval-parity: $(STAMP)
 	$(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity

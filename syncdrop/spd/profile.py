@@ -220,6 +220,14 @@ def plot_profile(d: dict[str, Any], path: str | Path) -> None:
     ax.bar([i - w / 2 for i in idx], [b["progressive"] for b in d["blocks"]], w, label="progressive")
     ax.bar([i + w / 2 for i in idx], [b["isolated"] for b in d["blocks"]], w, label="isolated")
     ax.axhline(0.0, color="black", linewidth=0.6)
+    vals = sorted(abs(b[k]) for b in d["blocks"] for k in ("progressive", "isolated"))
+    typical = vals[len(vals) // 2] if vals else 0.0
+    if vals and typical > 0 and vals[-1] > 30 * typical:  # a few dominant blocks would flatten the rest
+        ax.set_yscale("symlog", linthresh=typical)
+        low = min(b[k] for b in d["blocks"] for k in ("progressive", "isolated"))
+        ax.set_ylim(bottom=1.5 * low if low < 0 else 0.0)
+        ax.text(0.01, 0.97, f"symmetric log scale (linear below {typical:.2g})", transform=ax.transAxes, fontsize=7,
+                va="top")
     ax.set_xlabel("block")
     ax.set_ylabel("perplexity increase (SPD on the block)")
     if len(idx) <= 40:
