@@ -268,12 +268,15 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
             rows += [{"file": str(f), "what": w, "plan": p["plan"], "spd_fraction": p["spd_fraction"],
                       "measured_ms": p[f"{w}_ms"], "predicted_ms": None}
                      for p in d["plans"] for w in ("ttft", "decode")]
+    samples = {(str(f), p["plan"], w): p.get(f"{w}_samples_ms") for f in files
+               for p in json.loads(Path(f).read_text())["plans"] for w in ("ttft", "decode")}
     out = []
     for r in rows:
         if r["what"] in ("ttft", "decode"):
             out.append({"link": "user" if r["file"] == target and link.active else "none", "what": r["what"],
                         "fraction": frac.get(r["plan"], r["spd_fraction"]), "measured_ms": r["measured_ms"],
-                        "predicted_ms": r["predicted_ms"]})
+                        "predicted_ms": r["predicted_ms"],
+                        "samples_ms": samples.get((str(r["file"]), r["plan"], r["what"]))})
     return {"files": [str(f) for f in files], "calibration": calibration, "rows": out}
 
 

@@ -64,13 +64,18 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
 
     def lat(ax):
         for lk in sorted({r["link"] for r in b}):
-            pts = sorted((r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in b
-                         if r["link"] == lk and r["what"] == "ttft")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({names[lk]})")
+            rows = sorted((r for r in b if r["link"] == lk and r["what"] == "ttft"), key=lambda r: r["fraction"])
+            pts = [(r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in rows]
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({names[lk]})")[0]
+            if all(r.get("samples_ms") for r in rows):  # whiskers: the fastest and slowest repetition
+                lo = [r["measured_ms"] - min(r["samples_ms"]) for r in rows]
+                hi = [max(r["samples_ms"]) - r["measured_ms"] for r in rows]
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lo, hi], fmt="none",
+                            ecolor=line.get_color(), capsize=3, alpha=0.7)
             if all(p[2] is not None for p in pts):
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({names[lk]})")
         ax.set_xlabel("SPD fraction")
-        ax.set_ylabel("time to first token (ms)")
+        ax.set_ylabel("TTFT ms (median; bars: min-max)")
         ax.legend(fontsize=8)
 
     figs["latency"] = ("Time to first token vs SPD fraction", _figure(lat, root / "fig_latency.png"))

@@ -233,7 +233,7 @@ def plot_profile(d: dict[str, Any], path: str | Path) -> None:
     if len(idx) <= 40:
         ax.set_xticks(idx)
     calib = d.get("calib", {})
-    ax.set_title(f"{d.get('model')} TP={d.get('tp')}: SPD sensitivity, baseline ppl {d['baseline_ppl']:.3f} "
+    ax.set_title(f"{d.get('model')} TP={d.get('tp')}: SPD sensitivity\nbaseline ppl {d['baseline_ppl']:.3f} "
                  f"({calib.get('dataset')}, {calib.get('windows')} x {calib.get('seq_len')} tokens)", fontsize=9)
     ax.legend()
     fig.tight_layout()
