@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
 import os
 import sys
@@ -135,10 +136,20 @@ def main() -> int:
     runs: dict[str, dict[str, Any]] = {}
     makers = {"hf": lambda: hf_lm(source, args.batch_size)}
     makers |= {f"syncdrop_tp{n}": (lambda n=n: syncdrop_lm(args.model, n, args.batch_size)) for n in tps}
+    out = Path(args.out)
+    key = {"model": args.model, "tasks": names, "limit": args.limit, "batch_size": args.batch_size,
+           "bootstrap_iters": args.bootstrap_iters, "data_dir": str(root)}
     for name, make in makers.items():
+        cache = out / f"run_{name}.json"  # each finished run is kept, so an interrupted check resumes
+        if cache.exists() and (c := json.loads(cache.read_text())).get("key") == key:
+            runs[name] = c["run"]
+            print(f"== {name}: reused {cache}", flush=True)
+            continue
         print(f"== {name}", flush=True)
         lm = make()
         runs[name] = run(lm, names, root, args.limit, args.bootstrap_iters)
+        runs[name]["responses"] = {t: {str(k): v for k, v in r.items()} for t, r in runs[name]["responses"].items()}
+        atomic_write_json(cache, {"key": key, "run": runs[name]})
         del lm
         gc.collect()
         print(f"   {runs[name]['elapsed_s']:.1f}s", flush=True)
@@ -153,7 +164,6 @@ def main() -> int:
     result = {"command": prov["command"], "commit": prov["commit"], "settings": settings,
               "runs": {n: {k: v for k, v in r.items() if k != "responses"} for n, r in runs.items()},
               "comparison": comparison, "all_accuracies_identical": identical, "provenance": prov}
-    out = Path(args.out)
     atomic_write_json(out / "parity.json", result)
     header = (f"lm-eval parity: {source.name}, zero-shot, first {args.limit} docs per task; lm-eval `hf` vs "
               f"syncdrop (plan none, TP {', '.join(map(str, tps))}). All accuracies identical: {identical}.\n\n")

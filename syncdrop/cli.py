@@ -13,7 +13,7 @@ import sys
 import time
 
 from syncdrop.errors import SyncdropError
-from syncdrop.plan import DROP_VARIANTS, PLAN_SPEC_HELP
+from syncdrop.plan import DROP_VARIANTS, PLAN_SPEC_HELP, SyncPlan
 
 log = logging.getLogger("syncdrop")
 
@@ -61,6 +61,15 @@ def _build(args: argparse.Namespace, progress: bool = True):
                  link=_link(args))
 
 
+def _own_plan(source, spec: str) -> SyncPlan:
+    """``--plans model``: the plan the model carries, or an error naming the flag."""
+    own = source.own_plan()
+    if own is None:
+        raise SyncdropError(f"--plans model: {spec} has no plan of its own (a `syncdrop distill` directory or a "
+                            "`syncdrop train` export has one)")
+    return own
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -83,11 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     link = _link(args)
     built = _build(args, progress=False)
     L = built.source.config.num_layers
-    own = built.source.own_plan()
-    if "model" in specs and own is None:
-        raise SyncdropError(f"--plans model: {args.model} has no plan of its own (a `syncdrop distill` directory "
-                            "or a `syncdrop train` export has one)")
-    plans = [(s, own if s == "model" else parse_plan(s, L, args.drop_variant)) for s in specs]
+    plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
+             for s in specs]
     text = load_text(args.dataset, args.data_dir).text
     n_chars = 40 * args.prompt_len * args.batch  # plenty of text for the prompt tokens
     ids = built.source.load_tokenizer()(text[:n_chars], add_special_tokens=False)["input_ids"]
@@ -294,6 +300,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         for spec in split_plan_list(args.plans):
             if spec != "model":
                 parse_plan(spec, cfg.num_layers, args.drop_variant)
+            else:
+                _own_plan(source, args.model)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))

@@ -177,6 +177,7 @@ def test_bench_and_generate_under_launch(tiny_llama_dir, long_text, tmp_path: Pa
         (["bench", "--launch", "--tp", "2", "--link-bandwidth", "fast"], "--link-bandwidth 'fast'"),
         (["bench", "--launch", "--tp", "2", "--link-latency", "soon"], "--link-latency 'soon'"),
         (["bench", "--launch", "--tp", "2", "--plans", "none,sideways"], "malformed plan"),
+        (["bench", "--launch", "--tp", "2", "--plans", "none,model"], "has no plan of its own"),
         (["generate", "--launch", "--tp", "9", "--prompt", "x"], "exceeds the model's 6 query heads"),
     ],
 )
