@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="init, batches and the held-out books; another seed estimates run-to-run spread")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     corpus = args.corpus or str(data_dir() / "gutenberg")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     base = TrainSettings(tp=args.tp, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                          min_lr=args.lr / 10, warmup=args.warmup, hidden=args.hidden, layers=args.layers,
                          heads=args.heads, kv_heads=args.heads, ffn=args.ffn, vocab_size=args.vocab_size,
-                         val_every=max(1, args.steps // 10), ckpt_every=max(1, args.steps // 20))
+                         val_every=max(1, args.steps // 10), ckpt_every=max(1, args.steps // 20), seed=args.seed)
     root = Path(args.out)
     tok_dir = root / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():  # one tokenizer for every run
@@ -105,7 +107,7 @@ def _write(args: argparse.Namespace, runs: dict[str, dict]) -> list[str]:
     ref = rows.get("p=1", {}).get("final_val_loss")
     lines = [f"CAAT-Net ablation: TP={args.tp} simulated, {args.layers} layers, h={args.hidden}, {args.steps} steps of "
              f"{args.batch}x{args.seq_len} tokens ({args.steps * args.batch * args.seq_len:,} tokens); validation = "
-             f"held-out books {first['val_books']}.", "",
+             f"held-out books {first['val_books']}; seed {args.seed}.", "",
              "| variant | final val loss | vs p=1 | paper (TinyLlama 1.1B, TP 8) |", "|---|---:|---:|---:|"]
     for n, r in rows.items():
         d = f"{r['final_val_loss'] - ref:+.3f}" if ref is not None else ""

@@ -1,8 +1,9 @@
 """A trained partial-sync model at inference (issue 6, item 4): accuracy and latency per plan.
 
-Trains two models from scratch at ``--tp`` (default 4) in the simulated executor with identical
-seed, data and size: one with full syncs (p = 1) and one with partial sync (``--p``, default 0.5)
-at every sync point (``syncdrop train``; resumable, reused when rerun). Then, for each model:
+Trains two models from scratch at ``--tp`` (default 2: one rank per core on this machine) in the
+simulated executor with identical seed, data and size: one with full syncs (p = 1) and one with
+partial sync (``--p``, default 0.5) at every sync point (``syncdrop train``; resumable, reused when
+rerun). Then, for each model:
 
 * accuracy: validation perplexity on the held-out books under the plan it was trained with, and
   for the partial model also under plans it was *not* trained with (full sync, a mixed plan that
@@ -45,18 +46,18 @@ def _syncdrop(*args: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output path without extension; runs go to OUT/")
-    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--p", type=float, default=0.5, help="sync fraction of the partial model (default 0.5)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=688)
-    ap.add_argument("--link-bandwidth", default="1GB/s")
+    ap.add_argument("--link-bandwidth", default="100MB/s")
     ap.add_argument("--link-latency", default="50us")
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--val-windows", type=int, default=16)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

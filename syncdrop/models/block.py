@@ -181,13 +181,13 @@ def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor 
         m = torch.zeros_like(y, dtype=torch.bool).scatter_(-1, yb.abs().topk(k, dim=-1).indices, True)
         shared = _add(comm.all_reduce(torch.where(m, y, torch.zeros_like(y))), b)  # bias once, after the sum
         return torch.where(m, shared.expand_as(y), yb * s)
-    if mask == "random":
-        idx = torch.randperm(h, generator=_mask_generator(comm))[:k].to(y.device)
-    else:
-        idx = torch.arange(k, device=y.device)
     out = yb * s
     if k == 0:
         return out
+    if mask == "fixed":  # the first k channels: slices, no index tensors
+        shared = _add(comm.all_reduce(y[..., :k]), None if b is None else b[:k])  # (1, M, k): only k travel
+        return torch.cat([shared.expand(y.shape[0], -1, -1), out[..., k:]], dim=-1)
+    idx = torch.randperm(h, generator=_mask_generator(comm))[:k].to(y.device)  # random mask
     shared = comm.all_reduce(y.index_select(-1, idx))  # (1, M, k): only k channels travel
     if b is not None:
         shared = shared + b[idx]

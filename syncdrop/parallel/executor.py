@@ -193,7 +193,9 @@ class TPModel:
         h = self.cfg.hidden_size
         parts = hidden.unflatten(-1, (self.geo.r, h))  # (..., R, h)
         slices = vocab_slices(self.cfg.vocab_size, self.layout.tp)
-        local = [parts[..., j, :] @ self.lm_head[slices[r]].t() for j, r in enumerate(self.geo.ranks)]
+        # a slice, not a range index: indexing with a range would copy the rows on every call
+        local = [parts[..., j, :] @ self.lm_head[slices[r].start:slices[r].stop].t()
+                 for j, r in enumerate(self.geo.ranks)]
         if self.geo.r == self.layout.tp:
             return torch.cat(local, dim=-1)
         return self.comm.all_gather_last(torch.cat(local, dim=-1), [len(s) for s in slices])
