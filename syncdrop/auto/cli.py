@@ -32,7 +32,8 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--zs-limit", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7,
+                   help="interleaved repetitions per plan in the latency benchmark; medians are reported (default 7)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", required=True, help="run directory (stages cached here; report.html, report.md)")
     p.add_argument("-q", "--quiet", action="store_true")

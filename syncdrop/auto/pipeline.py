@@ -64,7 +64,7 @@ class AutoSettings:
     zs_limit: int = 20
     prompt_len: int = 128
     decode_tokens: int = 4
-    reps: int = 3
+    reps: int = 7
     data_dir: str | None = None
 
 
