@@ -197,20 +197,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.sharding import ShardLayout
-    from syncdrop.runtime import resolve_plan
+    from syncdrop.runtime import for_plan, resolve_plan
 
     src = resolve_model(args.model)
     cfg = src.config
     layout = ShardLayout.build(cfg, args.tp)
     plan = resolve_plan(src, args.plan, args.drop_variant)
+    distilled = sorted(src.spd.blocks) if src.spd is not None else []
+    src = for_plan(src, plan)
     print(f"model {src.name} ({src.kind}: {src.path})")
     print(f"  {cfg.arch}: {cfg.num_layers} blocks, hidden {cfg.hidden_size}, heads {cfg.num_heads} "
           f"(kv {cfg.num_kv_heads}, dim {cfg.head_dim}), mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}")
     print(f"  TP={args.tp}: " + layout.describe())
     print(f"  plan: {plan.summary()}; all-reduces per forward: {2 * cfg.num_layers - len(plan.dropped)}")
     if src.spd is not None:
-        print(f"  distilled for TP={src.spd.tp} from {src.spd.base_model}: blocks {sorted(src.spd.blocks)}, "
-              f"head-grouped {sorted(src.spd.layouts(cfg))}")
+        print(f"  distilled for TP={src.spd.tp} from {src.spd.base_model}: blocks {distilled}; under this plan "
+              f"blocks {sorted(src.spd.blocks)} run distilled, head-grouped {sorted(src.spd.layouts(cfg))}")
     return 0
 
 

@@ -85,13 +85,27 @@ def resolve_plan(source, plan_spec: str | None, drop_variant: str = "drop") -> S
     if plan_spec is None:
         own = source.own_plan()
         return own if own is not None else SyncPlan.uniform(cfg.num_layers)
-    plan = parse_plan(plan_spec, cfg.num_layers, drop_variant)
-    if source.spd is not None:
-        kept = sorted(set(source.spd.blocks) - set(plan.dropped))
-        if kept:
-            log.warning("blocks %s of %s were distilled as SPD blocks but run with their sync under --plan %s",
-                        kept, source.spec, plan_spec)
-    return plan
+    return parse_plan(plan_spec, cfg.num_layers, drop_variant)
+
+
+def for_plan(source, plan: SyncPlan):
+    """The model to run under ``plan``: ``source`` itself, except that the distilled blocks of a
+    ``syncdrop distill`` directory whose sync ``plan`` keeps fall back to the base model's weights
+    and layout. Distilled weights are trained for the SPD form of their block only; with the sync
+    kept, the base block is the exact one. (A directory is therefore also usable as a bank.)"""
+    if source.spd is None:
+        return source
+    kept = sorted(set(source.spd.blocks) - set(plan.dropped))
+    if not kept:
+        return source
+    import dataclasses
+
+    from syncdrop.spd.checkpoint import OverlayCheckpoint
+
+    log.warning("blocks %s of %s were distilled as SPD blocks; the plan keeps their sync, so they run with "
+                "the base model's weights", kept, source.spec)
+    ckpt = dataclasses.replace(source.spd, blocks={i: b for i, b in source.spd.blocks.items() if i not in kept})
+    return dataclasses.replace(source, reader=OverlayCheckpoint(source.reader.base, ckpt), spd=ckpt)
 
 
 def check_checkpoint_tp(source, tp: int) -> None:
@@ -124,6 +138,7 @@ def build(model_spec: str, tp: int, plan_spec: str | None, dtype: str = "float32
     check_tp(cfg, tp)
     check_checkpoint_tp(source, tp)
     plan = resolve_plan(source, plan_spec, drop_variant)
+    source = for_plan(source, plan)
     block_layouts = source.spd.layouts(cfg) if source.spd is not None else None
     torch_dtype = parse_dtype(dtype)
     if executor not in EXECUTORS:

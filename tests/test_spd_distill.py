@@ -141,6 +141,18 @@ def test_distilled_dir_as_model_everywhere(tiny_llama_dir, text_file, tmp_path, 
     plain = simulated_model(base.config, base.reader, 3, src.spd.plan)
     ids = _windows(base, 2, 16, seed=3)
     assert (sim(ids) - plain(ids)).abs().max() > 1e-4  # the distilled weights are used
+    # under a plan that keeps a distilled block's sync, that block is the base model's (exactly)
+    from syncdrop.runtime import build
+    from syncdrop.spd.checkpoint import write_subset
+
+    dense = simulated_model(base.config, base.reader, 3)
+    assert torch.equal(build(str(out), 3, "none", executor="simulated", progress=False).model(ids), dense(ids))
+    one = SyncPlan.dropping(base.config.num_layers, [1])
+    write_subset(tmp_path / "only1", out, one, str(tiny_llama_dir), 3)
+    sub = resolve_model(str(tmp_path / "only1"))
+    want = simulated_model(sub.config, sub.reader, 3, one, block_layouts=sub.spd.layouts(sub.config))(ids)
+    got = build(str(out), 3, "blocks:1", executor="simulated", progress=False).model(ids)
+    assert torch.equal(got, want) and not torch.equal(got, sim(ids))
     # wrong TP for a distilled directory, damaged manifest: exit 2 with a one-line message
     assert main(["ppl", "--model", str(out), "--tp", "2", "--dataset", str(text_file), "--seq-len", "16"]) == 2
     assert "distilled for --tp 3" in capsys.readouterr().err

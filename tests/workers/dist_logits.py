@@ -16,7 +16,9 @@ from syncdrop.runtime import build
 
 def main() -> None:
     model_spec, tp, exact, out, *plans = sys.argv[1:]
-    built = build(model_spec, int(tp), "none", progress=False, exact_reduce=exact == "1")
+    # built under the first plan (a distilled directory keeps the weights that plan selects), then
+    # the plan is swapped in place, so all plans share one process group and one set of weights
+    built = build(model_spec, int(tp), plans[0], progress=False, exact_reduce=exact == "1")
     cfg = built.model.cfg
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
     result = {}
