@@ -104,7 +104,7 @@ def for_plan(source, plan: SyncPlan):
 
     log.warning("blocks %s of %s were distilled as SPD blocks; the plan keeps their sync, so they run with "
                 "the base model's weights", kept, source.spec)
-    ckpt = dataclasses.replace(source.spd, blocks={i: b for i, b in source.spd.blocks.items() if i not in kept})
+    ckpt = dataclasses.replace(source.spd, blocks=source.spd.blocks_for(plan))
     return dataclasses.replace(source, reader=OverlayCheckpoint(source.reader.base, ckpt), spd=ckpt)
 
 

@@ -85,6 +85,11 @@ class SPDCheckpoint:
     blocks: dict[int, dict[str, Any]]
     data: dict[str, Any]
 
+    def blocks_for(self, plan: SyncPlan) -> dict[int, dict[str, Any]]:
+        """The distilled blocks that ``plan`` drops; the others would run with their sync, where the
+        base model's block is the exact one (distilled weights are trained for the SPD form only)."""
+        return {i: e for i, e in sorted(self.blocks.items()) if i in plan.dropped}
+
     def layouts(self, cfg: ModelConfig) -> dict[int, Any]:
         """``{block: ShardLayout}`` for the blocks with a head-grouping permutation."""
         from syncdrop.parallel.sharding import ShardLayout
@@ -199,7 +204,7 @@ def write_subset(out_dir: str | Path, bank: str | Path, plan: SyncPlan, base_mod
         raise SyncdropError(f"bank {bank} was distilled for tp={src.tp}, not tp={tp}")
     out = Path(out_dir)
     blocks = {str(i): {**e, "file": os.path.relpath(os.path.join(src.path, e["file"]), out)}
-              for i, e in sorted(src.blocks.items()) if i in plan.dropped}
+              for i, e in src.blocks_for(plan).items()}
     manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "base_model": base_model, "tp": tp,
                 "plan": plan.to_dict(), "blocks": blocks, "distill": {"bank": src.path}}
     atomic_write_json(out / MANIFEST, manifest)
