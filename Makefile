@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow lint ablation bench-forward spd-sweep lr-scan caat-ablation caat-latency lm-eval-parity \
-	zero-shot-spd clean
+	zero-shot-spd launch-stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,6 +63,11 @@ zero-shot-spd: $(STAMP)
 
 lm-eval-parity: $(STAMP)
 	$(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
+
+# Teardown stress: 36 short --launch jobs (generate, bench, ppl; tiny model and SmolLM2; TP=2 and 3),
+# counting the ones that did not exit 0 on every rank (target: 0)
+launch-stress: $(STAMP)
+	$(BIN)/python benchmarks/launch_stress.py --jobs 36 --out results/launch_stress
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

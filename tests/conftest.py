@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random transformers checkpoints of every family, and the real SmolLM2.
 
-Tiny models (built with transformers, saved with ``save_pretrained``, session-scoped):
+Tiny models (:mod:`syncdrop.tiny_models`, saved with ``save_pretrained``, session-scoped):
 
 =================  ==========  =====  ======  =========================================
 fixture            class       heads  kv      notable
@@ -29,90 +29,27 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = dict(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-            max_position_embeddings=128)
-TOKENIZER_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. ",
-    "Tensor parallelism splits each layer across devices. ",
-    "Sync points are all-reduce operations after attention and the MLP. ",
-]
-
-
-def _tiny_tokenizer():
-    """Deterministic byte-level BPE with 300 entries, wrapped for ``save_pretrained``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TOKENIZER_CORPUS * 4, trainer)
-    assert tok.get_vocab_size() <= TINY["vocab_size"]
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Re-draw every parameter so weights, biases and norm gains all differ from their init."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.08 * noise)
-    return model.eval()
-
-
-def build_tiny(path: Path, config, seed: int = 0) -> Path:
-    """Instantiate ``config`` as a causal LM, randomise it, save model + tokenizer to ``path``."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = randomize_(AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
-    model.save_pretrained(path)
-    _tiny_tokenizer().save_pretrained(path)
-    return path
+from syncdrop.tiny_models import build_tiny_family
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(**TINY, num_key_value_heads=2, intermediate_size=96, rope_theta=10000.0,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    return build_tiny(tmp_path_factory.mktemp("tiny_llama"), cfg, seed=1)
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
-    from transformers import MistralConfig
-
-    cfg = MistralConfig(**TINY, num_key_value_heads=3, intermediate_size=96, sliding_window=4096,
-                        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    return build_tiny(tmp_path_factory.mktemp("tiny_mistral"), cfg, seed=2)
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_mistral"), "mistral")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config
-
-    cfg = Qwen2Config(**TINY, num_key_value_heads=3, intermediate_size=96, rope_theta=1000000.0,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    return build_tiny(tmp_path_factory.mktemp("tiny_qwen2"), cfg, seed=3)
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_opt_dir(tmp_path_factory) -> Path:
-    from transformers import OPTConfig
-
-    cfg = OPTConfig(**TINY, ffn_dim=96, word_embed_proj_dim=TINY["hidden_size"], activation_function="relu",
-                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    return build_tiny(tmp_path_factory.mktemp("tiny_opt"), cfg, seed=4)
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_opt"), "opt")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from conftest import TINY, build_tiny, randomize_
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,6 +24,7 @@ from syncdrop.models.config import model_names
 from syncdrop.models.gguf_reader import GGUFFile, permute_rows, unpermute_rows
 from syncdrop.models.hf_reader import config_from_hf
 from syncdrop.models.loading import ModelSource, load_dense, resolve_model
+from syncdrop.tiny_models import TINY, build_tiny, randomize_
 
 FAMILIES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_opt_dir"]
 

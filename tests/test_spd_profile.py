@@ -15,7 +15,6 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, TOKENIZER_CORPUS, build_tiny
 
 from syncdrop.errors import SyncdropError
 from syncdrop.eval.perplexity import perplexity
@@ -24,6 +23,7 @@ from syncdrop.parallel.executor import simulated_model
 from syncdrop.plan import SyncPlan, parse_plan
 from syncdrop.spd.cli import add_plan_parser, add_profile_parser
 from syncdrop.spd.profile import profile_sensitivity
+from syncdrop.tiny_models import TINY, TOKENIZER_CORPUS, build_tiny
 
 L4 = 4
 FRAGILE = 2
