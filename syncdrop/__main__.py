@@ -1,3 +1,3 @@
-from syncdrop.cli import main
+from syncdrop.cli import entry
 
-raise SystemExit(main())
+entry()

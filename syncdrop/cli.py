@@ -316,22 +316,52 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from syncdrop.parallel import dist
 
+    code = 1
     try:
         if getattr(args, "launch", False) and not dist.launched_by_torchrun():
-            return getattr(args, "launch_func", _launch)(args, argv)
-        return args.func(args)
+            code = getattr(args, "launch_func", _launch)(args, argv)
+        else:
+            code = args.func(args)
     except SyncdropError as e:
         print(f"syncdrop: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    except dist.RankFailure as e:
+        print(f"syncdrop: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("syncdrop: interrupted", file=sys.stderr)
+        code = 130
+    finally:
+        # the one way out of the distributed runtime (a no-op in a single process); an unexpected
+        # exception still propagates after it, with its traceback
+        code = _leave(code)
+    return code
+
+
+def _leave(code: int) -> int:
+    """Shut the distributed runtime down (a barrier first when this rank succeeded); a rank that
+    succeeded but whose peers never reached the final barrier exits 1 with the failure named."""
+    from syncdrop.parallel import dist
+
+    try:
+        dist.shutdown(ok=code == 0)
     except dist.RankFailure as e:
         print(f"syncdrop: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("syncdrop: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        dist.shutdown()
+    return code
+
+
+def entry() -> None:
+    """The ``syncdrop`` console script and ``python -m syncdrop``: :func:`main`, then exit. A
+    distributed worker exits through :func:`syncdrop.parallel.dist.exit_worker` (no interpreter
+    finalisation once the process group is gone)."""
+    from syncdrop.parallel import dist
+
+    code = main()
+    if dist.launched_by_torchrun():
+        dist.exit_worker(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

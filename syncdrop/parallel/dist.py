@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,6 +53,7 @@ def launched_by_torchrun() -> bool:
 
 
 _CTX: DistContext | None = None
+_TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # the collective timeout of the joined group
 
 
 def context() -> DistContext | None:
@@ -61,7 +63,7 @@ def context() -> DistContext | None:
 
 def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistContext:
     """Join the process group (idempotent). ``timeout_s`` bounds every collective."""
-    global _CTX
+    global _CTX, _TIMEOUT
     if _CTX is not None:
         return _CTX
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -78,16 +80,59 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Di
     except Exception as e:  # rendezvous failed or timed out
         raise RankFailure(f"rank {rank}: could not join the process group of {world} ranks "
                           f"within {timeout_s:.0f}s ({_first_line(e)})") from e
+    _TIMEOUT = timedelta(seconds=timeout_s)
     _CTX = DistContext(rank, world, local_rank, backend, device)
     log.info("rank %d/%d joined (%s on %s)", rank, world, backend, device)
     return _CTX
 
 
-def shutdown() -> None:
+def shutdown(ok: bool = True) -> None:
+    """Leave the process group: the one way out of the distributed runtime (success, error, interrupt).
+
+    ``ok`` (this rank finished its work): first wait for every rank at a barrier bounded by the
+    collective timeout (gloo: ``monitored_barrier``, which names the ranks that never arrived), so
+    that no rank tears down its connections while a peer still has a collective in flight; a
+    failure there raises :class:`RankFailure` after the group is destroyed. Not ``ok`` (an error or
+    an interrupt on this rank): destroy at once, since the peers may be dead and a barrier would
+    only wait for the timeout. Idempotent; a no-op outside the distributed runtime.
+    """
     global _CTX
-    if _CTX is not None and dist.is_initialized():
+    ctx, _CTX = _CTX, None
+    if ctx is None or not dist.is_initialized():
+        return
+    failure: RankFailure | None = None
+    if ok and ctx.world > 1:
+        try:
+            if ctx.backend == "gloo":
+                _guarded("shutdown barrier", dist.monitored_barrier, timeout=_TIMEOUT, wait_all_ranks=True)
+            else:
+                _guarded("shutdown barrier", dist.barrier)
+        except RankFailure as e:
+            failure = e
+    try:
         dist.destroy_process_group()
-    _CTX = None
+    except Exception as e:  # a broken group: nothing left to release that exiting does not release
+        log.warning("rank %d: destroying the process group failed (%s)", ctx.rank, _first_line(e))
+    if failure is not None:
+        raise failure
+
+
+def exit_worker(code: int) -> None:
+    """End a distributed worker process with ``code``, skipping interpreter finalisation.
+
+    Called after :func:`shutdown`. Finalisation would destroy whatever C++ state the backends still
+    hold (communicator threads, the rendezvous store client) in an order the backends do not
+    control; with a thread still joinable that ends in ``terminate called without an active
+    exception`` and SIGABRT after the work is done. Everything this process owes has been flushed
+    by then (result files are written atomically before), so ``os._exit`` is the clean way out.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,8 +1,14 @@
 """``--launch``: start N worker processes on this machine, as ``torchrun --nproc-per-node N`` would.
 
 Each worker runs ``python -m syncdrop <same arguments>`` with the rendezvous environment set
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``) and
-``OMP_NUM_THREADS = cores // N`` unless already set. Only rank 0's standard output is shown. If a
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``) and
+``OMP_NUM_THREADS = cores // N`` unless already set.
+
+The rendezvous store lives in the launcher, as torchrun's agent store does
+(``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, connects as a client). The
+launcher binds it to port 0 and passes the port it got, so no other process can take the port
+between choosing and binding it (a "free port" probed and released would race), and the store
+outlives every rank, so the order in which ranks exit does not matter. Only rank 0's standard output is shown. If a
 worker fails, the others get ``grace_s`` seconds to exit on their own (they notice through their
 collective timeouts), then are terminated; the launcher names the failed rank and exits non-zero.
 """
@@ -11,16 +17,27 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(world: int, timeout_s: float = 300.0):
+    """A rendezvous store served from this process on an OS-chosen port of 127.0.0.1 (held until the
+    returned object is dropped); ``.port`` is the port to hand to the ranks."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s))
+
+
+def rank_env(rank: int, world: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``world`` local ranks joining the store at ``port``."""
+    return dict(os.environ if base is None else base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 def _describe(code: int) -> str:
@@ -37,12 +54,11 @@ def launch(argv: list[str], nprocs: int, grace_s: float = 15.0, poll_s: float = 
     """Run ``python -m syncdrop *argv`` (or ``python *program *argv``) as ``nprocs`` ranks; return
     the job's exit code."""
     program = program if program is not None else ["-m", "syncdrop"]
-    port = free_port()
+    store = host_store(nprocs)
     threads = str(max(1, (os.cpu_count() or 1) // nprocs))
     procs: list[subprocess.Popen] = []
     for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = rank_env(rank, nprocs, store.port)
         env.setdefault("OMP_NUM_THREADS", threads)
         out = None if rank == 0 else subprocess.DEVNULL
         procs.append(subprocess.Popen([sys.executable, *program, *argv], env=env, stdout=out))

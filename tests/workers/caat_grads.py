@@ -31,7 +31,8 @@ def main() -> None:
     _all_reduce_grads(params, comm.inner)
     if ctx.is_main:
         save_file({**{k: p.grad.contiguous() for k, p in params.items()}, "loss": loss.detach()[None]}, out)
-    dist.shutdown()
+    dist.shutdown(ok=True)
+    dist.exit_worker(0)  # the same way out as `python -m syncdrop` workers
 
 
 if __name__ == "__main__":
