@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint ablation bench-forward spd-sweep lr-scan caat-ablation caat-latency lm-eval-parity \
-	zero-shot-spd launch-stress clean
+.PHONY: demo test test-slow lint ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The main job on the default model: which sync points to drop on a 1 GB/s link within +5% perplexity,
-# how much faster, at what accuracy cost; ~6 min on 2 cores; rerunning reuses every finished stage.
+# how much faster, at what accuracy cost; rerunning reuses every finished stage. The committed copy of
+# runs/demo is results/demo_auto/ (its README.md records the wall time of that run).
 demo: $(STAMP)
 	$(BIN)/syncdrop auto --model smollm2 --tp 2 --link-bandwidth 1GB/s --link-latency 50us \
 		--max-ppl-increase 0.05 --out runs/demo
@@ -33,27 +34,46 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
 
-# Full-size experiments (long: run in the background, see docs/)
+# Full-size experiments (long: run in the background, see docs/). Each command is the one recorded in
+# the `provenance` of the file it writes, with the thread count recorded there (OMP_NUM_THREADS=1 where
+# `provenance.threads` is 1; otherwise torch's default, 2 on the 2-core machine that made them).
 ablation: $(STAMP)
-	$(BIN)/python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 --variants dense,none,drop,naive,desync \
-		--resume --out results/ablation_residual_full
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 \
+		--variants dense,none,drop,naive,desync --resume --out results/ablation_residual_full
+
+# the first 64 windows only (results/ablation_residual.{json,md})
+ablation-64: $(STAMP)
+	$(BIN)/python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 --max-windows 64 \
+		--variants dense,none,drop,naive,desync --out results/ablation_residual
 
 bench-forward: $(STAMP)
-	$(BIN)/python benchmarks/bench_forward.py --out results/bench_forward
+	$(BIN)/python benchmarks/bench_forward.py --reps 5 --out results/bench_forward
 
+# --last-epoch: the committed sweeps predate keep-best-epoch and kept the last epoch (docs/spd.md)
 spd-sweep: $(STAMP)
-	$(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants b2b,hg+b2b --last-epoch \
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants b2b,hg+b2b --last-epoch \
 		--out results/spd_sweep_tp3
-	$(BIN)/python benchmarks/spd_sweep.py --tp 2 --lr 1e-3 --variants b2b --last-epoch \
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/spd_sweep.py --tp 2 --lr 1e-3 --variants b2b --last-epoch \
 		--fractions 0,0.2,0.4,0.6,0.8,1.0 \
 		--out results/spd_sweep_tp2
+	$(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants hg-head-channel+b2b --last-epoch \
+		--fractions 0,0.5,1.0 --out results/spd_sweep_tp3_hg
+	$(BIN)/python benchmarks/bank_stats.py results/spd_sweep_tp3 results/spd_sweep_tp2 results/spd_sweep_tp3_hg
 
 lr-scan: $(STAMP)
-	$(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --out results/distill_lr_scan
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
+		--out results/distill_lr_scan
 
 caat-ablation: $(STAMP)
-	$(BIN)/python benchmarks/caat_ablation.py --steps 400 --warmup 40 --out results/caat_ablation
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/caat_ablation.py --steps 400 --warmup 40 --out results/caat_ablation
 
+# the second seed: 4 of the 8 variants
+caat-ablation-seed1: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/caat_ablation.py --steps 400 --warmup 40 --seed 1 \
+		--variants "p=1,p=0.5,p=0,p=0.5 no sqrt(N)" --out results/caat_ablation_seed1
+
+# reuses the raw files committed under results/caat_latency/ (train.json, ppl_*.json, bench_*.json) and
+# only rebuilds results/caat_latency.{json,md} from them; delete them to retrain and remeasure
 caat-latency: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/caat_latency.py --out results/caat_latency
 
@@ -62,7 +82,19 @@ zero-shot-spd: $(STAMP)
 		--out results/zero_shot_spd
 
 lm-eval-parity: $(STAMP)
-	$(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
+
+# latency vs SPD fraction on 2 real ranks, without emulation and on two emulated links (results/latency/)
+latency: $(STAMP)
+	$(BIN)/python benchmarks/latency_sweep.py --tp 2 --prompt-len 256 --decode-tokens 8 --reps 5 --out results/latency
+
+# the cost model, calibrated on the committed latency files (no forward runs; seconds)
+cost-model: $(STAMP)
+	$(BIN)/syncdrop predict --calibrate results/latency/tp2_none.json \
+		--check results/latency/tp2_share30.json results/latency/tp2_share55.json \
+		--cluster llama2-70b --json results/cost_model.json
+	$(BIN)/syncdrop predict --cluster llama2-70b --mfu 0.35 --layer-overhead 100us --hbm 1.2TB/s \
+		--json results/cost_model_overheads.json
 
 # Teardown stress: 36 short --launch jobs (generate, bench, ppl; tiny model and SmolLM2; TP=2 and 3),
 # counting the ones that did not exit 0 on every rank (target: 0)

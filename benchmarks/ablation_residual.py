@@ -1,4 +1,4 @@
-"""Residual-placement ablation (papers.md §2): perplexity with every block's attention sync dropped
+"""Residual-placement ablation (docs/methods.md): perplexity with every block's attention sync dropped
 in the SPD design vs. the naive drop, Ladder-Residual's "desync" residual and bias-inside-the-sum,
 beside the dense model and plain TP.
 

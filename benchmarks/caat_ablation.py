@@ -33,7 +33,7 @@ VARIANTS = {  # name -> (p, scale, mask)
     "p=0.5 no sqrt(N)": (0.5, False, "fixed"), "p=0.5 random mask": (0.5, True, "random"),
     "p=0.5 top-k mask": (0.5, True, "topk"),
 }
-PAPER = {"p=1": 1.28, "p=0.75": 1.27, "p=0.25": 1.29, "p=0": 1.49}  # TinyLlama 1.1B, TP 8 (papers.md §7)
+PAPER = {"p=1": 1.28, "p=0.75": 1.27, "p=0.25": 1.29, "p=0": 1.49}  # TinyLlama 1.1B, TP 8 (docs/methods.md)
 
 
 def _slug(name: str) -> str:

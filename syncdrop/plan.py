@@ -2,8 +2,8 @@
 
 A plan is a list with one entry per block, ``{"attn": MODE, "mlp": "full"}``. Attention modes:
 
-``full``        the standard block (papers.md §1): all-reduce after attention and after the MLP.
-``drop``        the SPD block (papers.md §2): no attention all-reduce; each rank's MLP reads
+``full``        the standard block (docs/methods.md): all-reduce after attention and after the MLP.
+``drop``        the SPD block (docs/methods.md): no attention all-reduce; each rank's MLP reads
                 ``X + A_r``; the attention partials ride in the MLP all-reduce:
                 ``X_out = X + AllReduce(A_r + Z_r) + b_o + b_down``.
 ``naive``       ablation: attention partial kept local, never summed:
@@ -13,7 +13,7 @@ A plan is a list with one entry per block, ``{"attn": MODE, "mlp": "full"}``. At
 ``bias-in-sum`` ablation: like ``drop`` but biases added inside the sum (counted N times):
                 ``X_out = X + AllReduce(A_r + b_o + Z_r + b_down)``.
 
-Partial sync (CAAT-Net, papers.md §7): ``{"partial": p}`` for ``attn`` or ``mlp`` all-reduces only
+Partial sync (CAAT-Net, docs/methods.md): ``{"partial": p}`` for ``attn`` or ``mlp`` all-reduces only
 the first ``k = round(p * h)`` channels; each rank keeps its other channels, scaled by sqrt(N)
 (:func:`syncdrop.models.block.partial_reduce`). The residual stream then differs per rank, and the
 LM head becomes vocab-parallel. ``mlp`` may be partial under ``attn: drop`` too (SPD + partial).

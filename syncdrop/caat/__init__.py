@@ -1,3 +1,3 @@
-"""Partial channel reduce (CAAT-Net, papers.md §7): training Llama-style models from scratch with
+"""Partial channel reduce (CAAT-Net, docs/methods.md): training Llama-style models from scratch with
 partially synchronised activations, in the simulated executor (exact gradients through the
 rank axis) or under torchrun (one process per rank)."""

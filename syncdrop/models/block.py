@@ -8,7 +8,7 @@ and returns ``(1, M, h)``. The simulated executor holds all N ranks (R = N) and 
 the distributed runtime holds one (R = 1) and calls ``torch.distributed``. The block never knows
 which.
 
-Block math (papers.md §1-2; P_r = bias-free o_proj partial of rank r, Z_r = bias-free MLP partial):
+Block math (docs/methods.md, SPD block; P_r = bias-free o_proj partial of rank r, Z_r = bias-free MLP partial):
 
 ``full``:  X' = X + AllReduce(P_r) + b_o;  X_out = X' + AllReduce(MLP_r(norm(X'))) + b_down
 ``drop``:  H_r = X + P_r + b_o;  Z_r = MLP_r(norm(H_r));  X_out = X + AllReduce(P_r + Z_r) + b_o + b_down
@@ -155,7 +155,7 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 
 def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor | None, scale: bool = True,
                    mask: str = "fixed") -> torch.Tensor:
-    """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (papers.md §7):
+    """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (docs/methods.md, CAAT):
 
     ``out_r = concat(AllReduce(y[..., :k]) + b[:k],  sqrt(N) * (y_r[..., k:] + b[k:]))``
 

@@ -1,7 +1,7 @@
 """Sync-Point Drop tooling: per-block sensitivity profiling (:mod:`syncdrop.spd.profile`) and
-sensitivity-guided planning (:mod:`syncdrop.spd.planning`), papers.md §3; block-to-block
+sensitivity-guided planning (:mod:`syncdrop.spd.planning`); block-to-block
 distillation (:mod:`syncdrop.spd.distill`), head grouping (:mod:`syncdrop.spd.head_grouping`) and
-distilled checkpoint directories (:mod:`syncdrop.spd.checkpoint`), §4-5.
+distilled checkpoint directories (:mod:`syncdrop.spd.checkpoint`). The methods: docs/methods.md.
 
 Exports are loaded lazily so that building the CLI parser does not import torch.
 """

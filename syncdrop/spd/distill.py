@@ -1,4 +1,4 @@
-"""Block-to-block distillation (B2B), with optional head grouping first (papers.md §4-5).
+"""Block-to-block distillation (B2B), with optional head grouping first (docs/methods.md, B2B and head grouping).
 
 For every dropped block ``i`` of tier ``b2b`` or ``hg+b2b``:
 
@@ -59,7 +59,7 @@ from syncdrop.spd.checkpoint import (
 log = logging.getLogger(__name__)
 
 TRAINED_TIERS = ("b2b", "hg+b2b")
-PAPER_LR = {"opt": 1e-6}  # papers.md §4: 5e-5 for LLaMA-2, 1e-6 for OPT
+PAPER_LR = {"opt": 1e-6}  # docs/methods.md, B2B: 5e-5 for LLaMA-2, 1e-6 for OPT
 DEFAULT_LR = 5e-5
 
 

@@ -1,4 +1,4 @@
-"""Head-grouping initialisation (HG) for one SPD block (papers.md §5).
+"""Head-grouping initialisation (HG) for one SPD block (docs/methods.md, head grouping).
 
 Once a block's attention sync is dropped, rank r's MLP reads ``H_r = X + P_r (+ b_o)``, where
 ``P_r`` sums only the heads rank r owns. Which heads share a rank, and which MLP channels sit

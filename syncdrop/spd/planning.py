@@ -1,4 +1,4 @@
-"""From a sensitivity profile to a sync plan (papers.md §3).
+"""From a sensitivity profile to a sync plan (docs/methods.md, sensitivity profiling and tiers).
 
 Blocks are sorted by sensitivity, ascending (ties: the later block first), and the least
 sensitive are dropped:
@@ -12,7 +12,7 @@ sensitive are dropped:
   prediction, not a measurement; ``syncdrop ppl --plan plan.json`` measures it (on the test split,
   where the profile used calibration data).
 
-Each dropped block gets a tier (papers.md §3) by its sensitivity ``s``: ``zs`` (zero-shot drop,
+Each dropped block gets a tier (docs/methods.md, tiers) by its sensitivity ``s``: ``zs`` (zero-shot drop,
 ``s <= tau1``), ``b2b`` (block-to-block distillation, ``tau1 < s <= tau2``), ``hg+b2b`` (head
 grouping then B2B, ``s > tau2``). The thresholds are perplexity deltas, given absolute or as a
 percentage of the baseline perplexity (``"0.1%"``). Defaults, from measurements on SmolLM2

@@ -1,4 +1,4 @@
-"""Per-block SPD sensitivity: perplexity deltas on calibration windows (papers.md §3).
+"""Per-block SPD sensitivity: perplexity deltas on calibration windows (docs/methods.md, sensitivity profiling).
 
 Two definitions, both computed in one run (L = number of blocks, ``ppl(D)`` = perplexity with
 the attention sync of the blocks in ``D`` dropped, SPD block, all other blocks full):
