@@ -19,10 +19,16 @@ are non-trivial.
 
 ``smollm2_source`` is ``resolve_model("smollm2")``; ``smollm2_hf`` is transformers' own model
 loaded from the same GGUF (float32, eval mode; ~30 s, so load it once per session).
+
+Tests that read the data folder carry ``@pytest.mark.needs_data(kind)`` (``"tasks"``: the lm-eval task
+files; ``"wikitext2"``). Where the folder (``$SYNCDROP_DATA`` or ``../shared/data``) lacks those files they
+are skipped with the reason "needs ../shared/data (...)" (printed by ``-rs``), except under
+``SYNCDROP_REQUIRE_DATA=1`` (CI), where they fail instead: CI has the data, so a missing folder is a fault.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -81,3 +87,54 @@ def text_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("data") / "sample.txt"
     p.write_text(SAMPLE_TEXT)
     return p
+
+
+# ---------------------------------------------------------------- the needs_data marker
+
+_DATA_MISSING = pytest.StashKey[str]()
+
+
+@functools.cache
+def _missing_data(kind: str, root: Path) -> str | None:
+    """Why ``root`` cannot serve a ``needs_data(kind)`` test, or None when it has every file."""
+    from syncdrop.eval.data import WIKITEXT_SPLITS
+
+    if kind == "tasks":
+        from syncdrop.eval.tasks import missing_task_files
+
+        what, missing = "lm-eval task files", missing_task_files(root)
+    elif kind == "wikitext2":
+        what = "WikiText-2"
+        files = sorted(set(WIKITEXT_SPLITS.values()))
+        missing = [f"wikitext2/{f}" for f in files if not (root / "wikitext2" / f).is_file()]
+    else:
+        raise pytest.UsageError(f"needs_data: unknown kind {kind!r} (expected 'tasks' or 'wikitext2')")
+    if not missing:
+        return None
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return f"needs ../shared/data ({what}: {missing[0]}{more} not in {root}; set SYNCDROP_DATA to the data folder)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``needs_data`` tests without their data: a skip with the reason, or (SYNCDROP_REQUIRE_DATA=1) a failure."""
+    from syncdrop.eval.data import data_dir
+
+    require = os.environ.get("SYNCDROP_REQUIRE_DATA") == "1"
+    root = data_dir()
+    for item in items:
+        kinds = [k for m in item.iter_markers("needs_data") for k in (m.args or ("tasks",))]
+        reason = next((r for k in kinds if (r := _missing_data(k, root))), None)
+        if reason is None:
+            continue
+        if require:
+            item.stash[_DATA_MISSING] = f"{reason} [SYNCDROP_REQUIRE_DATA=1: failing instead of skipping]"
+        else:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Under SYNCDROP_REQUIRE_DATA=1 a ``needs_data`` test whose data is missing fails (its body is not run)."""
+    reason = item.stash.get(_DATA_MISSING, None)
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)

