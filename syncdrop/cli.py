@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity under a sync plan")
     _add_model_args(p)
     p.add_argument("--dataset", default="auto",
-                   help="wikitext2 | wikitext2:valid | shakespeare | auto (default: wikitext2 if present) | PATH")
+                   help="auto (default: WikiText-2 test, else the Shakespeare tragedies) | wikitext2 | "
+                        "wikitext2:valid | shakespeare | shakespeare:test | PATH")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
     p.add_argument("--seq-len", type=int, default=1024, help="window length in tokens (default 1024)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first K windows")

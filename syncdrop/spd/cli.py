@@ -27,8 +27,9 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                     "process (the simulated executor).")
     p.add_argument("--model", default="smollm2", help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree N (>= 2: at N=1 SPD changes nothing)")
-    p.add_argument("--calib", default="wikitext2:valid",
-                   help="calibration text: wikitext2:valid (default) | wikitext2 | shakespeare | PATH")
+    p.add_argument("--calib", default="auto:valid",
+                   help="calibration text: auto:valid (default: WikiText-2 valid, else the Shakespeare comedies) | "
+                        "wikitext2:valid | wikitext2 | shakespeare | shakespeare:valid | PATH")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
     p.add_argument("--samples", type=int, default=8, help="calibration windows K: the first K (default 8)")
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
@@ -147,8 +148,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help=f"plan to distil for: {PLAN_SPEC_HELP} (tiers from `syncdrop plan`)")
     p.add_argument("--tier", default="auto", choices=("auto", *TIERS),
                    help="tier of every dropped block: auto = the plan's tiers, b2b where it has none (default)")
-    p.add_argument("--calib", default="wikitext2:valid",
-                   help="calibration text: wikitext2:valid (default) | wikitext2 | shakespeare | PATH")
+    p.add_argument("--calib", default="auto:valid",
+                   help="calibration text: auto:valid (default: WikiText-2 valid, else the Shakespeare comedies) | "
+                        "wikitext2:valid | wikitext2 | shakespeare | shakespeare:valid | PATH")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
     p.add_argument("--samples", type=int, default=16, help="training windows (default 16; the paper: 128 x 2048)")
     p.add_argument("--heldout", type=int, default=2, help="held-out windows after them (loss report; default 2)")
