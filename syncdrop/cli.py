@@ -154,7 +154,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
             "ppl": res.ppl, "nll_mean": res.nll_sum / res.tokens, "tokens": res.tokens, "windows": res.windows,
             "seq_len": res.seq_len, "model": built.source.name, "model_spec": args.model, "tp": args.tp,
             "plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "executor": runtime,
-            "dtype": args.dtype, "dataset": data.name, "dataset_path": data.path,
+            "dtype": args.dtype, "dataset": data.name, "dataset_source": data.source, "dataset_path": data.path,
             "max_windows": args.max_windows, "elapsed_s": elapsed, "window_nll": res.window_nll,
             "memory": built.memory, "provenance": provenance(),
         })

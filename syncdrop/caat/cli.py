@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from syncdrop.errors import SyncdropError
 
@@ -64,6 +65,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     corpus = args.corpus or str(data_dir(args.data_dir) / "gutenberg")
+    if args.corpus is None and not Path(corpus).is_dir():
+        raise SyncdropError("--corpus: not given, and the data folder ($SYNCDROP_DATA, --data-dir or ../shared/data) "
+                            "has no gutenberg/ folder; pass --corpus DIR (a folder of .txt books) or FILE.txt")
     ctx = None
     if dist.launched_by_torchrun():
         ctx = dist.init(args.dist_timeout)
