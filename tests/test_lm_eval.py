@@ -1,10 +1,10 @@
 """lm-evaluation-harness: the ``syncdrop`` model against transformers, the local tasks against
 lm-eval's official task configs, and ``syncdrop eval``.
 
-References: transformers' own model on the tiny checkpoints with lm-eval's tokenization convention
-written out here; :func:`syncdrop.eval.perplexity.window_nll` for rolling log-likelihoods;
-:func:`syncdrop.generate.generate` for generation; lm-eval's installed task YAMLs and literal
-first-document prompts for the local tasks.
+References: transformers' own model on the tiny checkpoints, with lm-eval's tokenization, rolling-window
+and left-truncation conventions written out here, for log-likelihoods (plain, rolling, truncated,
+chunked) and greedy generation; lm-eval's installed task YAMLs and literal first-document prompts for
+the local tasks.
 """
 
 from __future__ import annotations
@@ -96,36 +96,63 @@ def test_batched_equals_unbatched_and_tp3_equals_tp1(tiny_llama_dir) -> None:
     assert lm.forwards == 1
 
 
-def test_loglikelihood_rolling_equals_window_nll(tiny_llama_dir) -> None:
-    """lm-eval's rolling windows with max_length M over [BOS] + ids: s[0:M+1], s[M:2M+1], ... each
-    scoring its last M tokens = our perplexity code's window NLL on those windows."""
-    from syncdrop.eval.perplexity import window_nll
+def _hf(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
+
+def hf_score(hf, seq: list[int], n: int) -> tuple[float, bool]:
+    """transformers: sum of log p(seq[-n:]) given what precedes each token in ``seq`` (one forward
+    over ``seq[:-1]``), and whether each of those tokens is the argmax."""
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        logp = F.log_softmax(hf(ids[:, :-1]).logits[0].float(), dim=-1)[-n:]
+    target = ids[0, -n:]
+    return logp.gather(-1, target[:, None]).sum().item(), bool((logp.argmax(-1) == target).all())
+
+
+def hf_greedy(hf, ids: list[int], max_new: int, eos: int) -> list[int]:
+    """transformers' greedy continuation of ``ids``: at most ``max_new`` tokens, up to EOS (excluded)."""
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                      pad_token_id=eos)[0, len(ids):].tolist()
+    return out[: out.index(eos)] if eos in out else out
+
+
+def test_loglikelihood_rolling_matches_transformers(tiny_llama_dir) -> None:
+    """Rolling log-likelihood with max_length M over s = [BOS] + ids (n tokens), scored by transformers:
+    window j is the slice of s ending at e_j = min(jM, n) + 1 and starting M + 1 before it (or at 0),
+    scoring its last e_j - e_{j-1} tokens (lm-eval's rolling windows, context 1). n = 2M + 5: two full
+    windows and a last one that scores 5 tokens after an overlapping context."""
     M = 16
     lm = _lm(tiny_llama_dir, 3, batch_size=2, max_length=M)
-    tok = lm.tokenizer
+    hf, tok = _hf(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_llama_dir)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 6)
-    text = tok.decode(ids[: 2 * M])
-    assert tok.encode(text) == ids[: 2 * M]
-    short = tok.decode(ids[:10])
+    n = 2 * M + 5
+    text, short = tok.decode(ids[:n]), tok.decode(ids[:10])
+    assert tok.encode(text) == ids[:n] and tok.encode(short) == ids[:10]
     got = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,), (short,)]), disable_tqdm=True)
-    s = torch.tensor([tok.bos_token_id] + ids[: 2 * M])
-    ref = window_nll(lm.lm, torch.stack([s[: M + 1], s[M:]])).sum().item()
-    assert got[0] == pytest.approx(-ref, rel=1e-5)
-    assert got[1] == pytest.approx(-window_nll(lm.lm, s[None, :11]).item(), rel=1e-5)
+
+    def by_hand(toks: list[int]) -> float:
+        s = [tok.bos_token_id] + toks
+        ends = [min(j * M, len(toks)) + 1 for j in range(1, -(-len(toks) // M) + 1)]
+        total, prev = 0.0, 1
+        for e in ends:
+            total += hf_score(hf, s[max(0, e - M - 1) : e], e - prev)[0]
+            prev = e
+        return total
+
+    assert got[0] == pytest.approx(by_hand(ids[:n]), rel=1e-5)
+    assert got[1] == pytest.approx(by_hand(ids[:10]), rel=1e-5)
+    # not the log-likelihood of one long window (the context really is cut every M predictions)
+    assert got[0] != pytest.approx(hf_score(hf, [tok.bos_token_id] + ids[:n], n)[0], rel=1e-3)
 
 
-def test_generate_until_matches_generate_and_stops(tiny_llama_dir) -> None:
-    from syncdrop.generate import generate
-
+def test_generate_until_matches_transformers_greedy_and_stops(tiny_llama_dir) -> None:
+    """Greedy generation = transformers' ``generate(do_sample=False)`` decoded; a stop string cuts
+    the text before it (and stops generating)."""
     lm = _lm(tiny_llama_dir, 3)
-    tok = lm.tokenizer
+    hf, tok = _hf(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_llama_dir)
     prompt = "The quick brown"
-    ids = tok.encode(prompt)
-    ref_ids = generate(lm.lm, torch.tensor([ids]), 12, eos_id=tok.eos_token_id).tokens[0, len(ids):].tolist()
-    if tok.eos_token_id in ref_ids:
-        ref_ids = ref_ids[: ref_ids.index(tok.eos_token_id)]
-    ref = tok.decode(ref_ids, skip_special_tokens=True)
+    ref = tok.decode(hf_greedy(hf, tok.encode(prompt), 12, tok.eos_token_id), skip_special_tokens=True)
     got = lm.generate_until(_requests("generate_until", [(prompt, {"until": ["\x00"], "max_gen_toks": 12})]),
                             disable_tqdm=True)
     assert got == [ref]
@@ -134,6 +161,76 @@ def test_generate_until_matches_generate_and_stops(tiny_llama_dir) -> None:
     got = lm.generate_until(_requests("generate_until", [(prompt, {"until": [stop], "max_gen_toks": 12})]),
                             disable_tqdm=True)
     assert got == [ref.split(stop)[0]] and len(got[0]) < len(ref)
+
+
+LONG_CONTEXT = "Tensor parallelism splits each layer across devices. Sync points are all-reduce operations."
+
+
+def test_long_context_is_cut_from_the_left(tiny_llama_dir) -> None:
+    """max_length M: a (context, continuation) of more than M + 1 tokens is scored on its last
+    M + 1 tokens, i.e. transformers on (ctx + cont)[-(M+1):]; a continuation of exactly M tokens
+    keeps one context token. Generation keeps the last M - max_gen_toks context tokens."""
+    M = 16
+    lm = _lm(tiny_llama_dir, 3, batch_size=4, max_length=M, max_gen_toks=6)
+    hf, tok = _hf(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ctx, cont = LONG_CONTEXT, " after attention and the MLP."
+    full = tok.encode(ctx + cont)
+    n = len(full) - len(tok.encode(ctx))
+    assert len(full) > 2 * M and 1 < n < M
+    cont_m = tok.decode(full[-M:])  # a continuation of exactly M tokens
+    ctx_m = tok.decode(full[:-M])
+    assert tok.encode(ctx_m) + tok.encode(ctx_m + cont_m)[len(tok.encode(ctx_m)):] == full
+    assert len(tok.encode(ctx_m + cont_m)) - len(tok.encode(ctx_m)) == M
+    got = lm.loglikelihood(_requests("loglikelihood", [(ctx, cont), (ctx_m, cont_m)]), disable_tqdm=True)
+    for (ll, greedy), k in zip(got, (n, M), strict=True):
+        ref_ll, ref_greedy = hf_score(hf, full[-(M + 1):], k)
+        assert ll == pytest.approx(ref_ll, rel=1e-5, abs=1e-4) and greedy == ref_greedy
+    untruncated = hf_score(hf, full, n)[0]
+    assert got[0][0] != pytest.approx(untruncated, rel=1e-3)  # the cut changes the number
+
+    ids = tok.encode(LONG_CONTEXT)
+    ref = hf_greedy(hf, ids[-(M - 6):], 6, tok.eos_token_id)
+    assert ref != hf_greedy(hf, ids, 6, tok.eos_token_id)  # the cut changes the text
+    got = lm.generate_until(_requests("generate_until", [(LONG_CONTEXT, {"until": ["\x00"]})]), disable_tqdm=True)
+    assert got == [tok.decode(ref, skip_special_tokens=True)]
+
+
+def test_over_long_continuation_is_refused(tiny_llama_dir) -> None:
+    """A continuation of more than max_length tokens cannot be scored in one window: a clear error."""
+    M = 16
+    lm = _lm(tiny_llama_dir, 1, max_length=M)
+    tok = lm.tokenizer
+    ids = tok.encode(LONG_CONTEXT)
+    ctx, cont = tok.decode(ids[:3]), tok.decode(ids[3 : 3 + M + 1])
+    assert len(tok.encode(ctx + cont)) - len(tok.encode(ctx)) == M + 1
+    with pytest.raises(SyncdropError, match=f"continuation of {M + 1} tokens exceeds max_length {M}"):
+        lm.loglikelihood(_requests("loglikelihood", [(ctx, cont)]), disable_tqdm=True)
+    with pytest.raises(SyncdropError, match=f"max_gen_toks {M} must be below max_length {M}"):
+        lm.generate_until(_requests("generate_until", [("The", {"until": ["\x00"], "max_gen_toks": M})]),
+                          disable_tqdm=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_scoring_equals_one_by_one(tiny_llama_dir, chunk, monkeypatch) -> None:
+    """log_softmax over chunks of ``chunk`` positions, several rows per forward (continuations of 1
+    to ~10 tokens straddle the chunk boundaries) = one request per forward in one chunk = transformers."""
+    import syncdrop.eval.harness as harness
+
+    pairs = [*PAIRS, (LONG_CONTEXT[:40], LONG_CONTEXT[40:])]
+    reqs = _requests("loglikelihood", pairs)
+    one = _lm(tiny_llama_dir, 1, batch_size=1)
+    one.logits_cache = False
+    base = one.loglikelihood(reqs, disable_tqdm=True)
+    monkeypatch.setattr(harness, "SCORE_CHUNK", chunk)
+    lm = _lm(tiny_llama_dir, 1, batch_size=5)
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    assert lm.forwards == 2  # 8 requests, the " A" / " B" pair on one row: 7 rows in batches of 5
+    assert [g for _, g in got] == [g for _, g in base]
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in base], rel=1e-5, abs=1e-5)
+    hf, tok = _hf(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got, strict=True):
+        ref_ll, ref_greedy = reference_loglikelihood(hf, tok, ctx, cont)
+        assert ll == pytest.approx(ref_ll, rel=1e-5, abs=1e-4) and greedy == ref_greedy
 
 
 def test_registered_and_built_from_model_args(tiny_llama_dir) -> None:
@@ -215,6 +312,7 @@ FIRST = {
 }
 
 
+@pytest.mark.needs_data("tasks")
 @pytest.mark.parametrize("name", [*FIRST, "sciq", "lambada_openai"])
 def test_local_task_first_request_is_the_official_prompt(name) -> None:
     task = task_manager().load([name])["tasks"][name]
@@ -261,6 +359,7 @@ def test_missing_data_is_a_clear_error(tmp_path) -> None:
 
 # ---------------------------------------------------------------- syncdrop eval
 
+@pytest.mark.needs_data("tasks")
 def test_eval_cli_json(tiny_llama_dir, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap without a process pool
     out = tmp_path / "eval.json"
@@ -295,6 +394,7 @@ def test_eval_bad_input_exits_2_with_one_line(tiny_llama_dir, args, message, cap
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
 
 
+@pytest.mark.needs_data("tasks")
 @pytest.mark.slow
 def test_eval_distributed_equals_simulated(tiny_llama_dir, tmp_path) -> None:
     """--launch: 3 ranks run the same requests (each forward has collectives); rank 0 writes."""
@@ -313,6 +413,7 @@ def test_eval_distributed_equals_simulated(tiny_llama_dir, tmp_path) -> None:
             assert sim["results"][task].get(key) == dist["results"][task].get(key)
 
 
+@pytest.mark.needs_data("tasks")
 @pytest.mark.slow
 def test_syncdrop_lm_eval_console_script(tiny_llama_dir, tmp_path) -> None:
     """lm-eval's own CLI with the model registered and the local tasks on its include path."""
