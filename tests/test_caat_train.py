@@ -98,29 +98,63 @@ def corpus(tmp_path_factory) -> Path:
     return d
 
 
-def test_train_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch, capsys) -> None:
-    """An interrupted run continues from its checkpoint with the losses of an uninterrupted one;
-    the loss falls; the exported model runs under `syncdrop ppl` with its plan."""
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus) -> tuple[Path, dict]:
+    """A 6-step simulated run at tp=2, p=0.5, never interrupted: the reference of the resumed and
+    the distributed runs. Returns its run directory and its result JSON."""
+    a = tmp_path_factory.mktemp("uninterrupted") / "a"
+    assert main([*_train_args(a, corpus), "--json", str(a.parent / "a.json")]) == 0
+    return a, json.loads((a.parent / "a.json").read_text())
+
+
+def _exported(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "model" / "model.safetensors"))
+
+
+def test_train_resumes_exactly_and_exports(tmp_path, corpus, uninterrupted, monkeypatch, capsys) -> None:
+    """An interrupted run (killed while fetching step 4's batch, checkpoint at step 3) continues
+    from its checkpoint: the resumed process trains only steps 3, 4, 5 (not a restart from 0, which
+    seeded batches would make give the same losses), and ends with the losses, validation losses
+    and exported weights (bit for bit) of the uninterrupted run. The loss falls; the exported model
+    runs under `syncdrop ppl` with its plan; other settings in the same directory are refused."""
     import syncdrop.caat.train as tr
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main([*_train_args(a, corpus), "--json", str(tmp_path / "a.json")]) == 0
-    ra = json.loads((tmp_path / "a.json").read_text())
+    a, ra = uninterrupted
     assert ra["train_loss"][-1] < ra["train_loss"][0] and len(ra["val_loss"]) == 3
+    assert len(ra["train_loss"]) == 6
+    b = tmp_path / "b"
     real = tr.train_batch
+    fetched: list[int] = []  # the step of every batch the training loop asks for
 
     def dying(stream, batch, seq, seed, step):
+        fetched.append(step)
         if step == 4:
             raise KeyboardInterrupt
         return real(stream, batch, seq, seed, step)
 
     monkeypatch.setattr(tr, "train_batch", dying)
     assert main(_train_args(b, corpus)) == 130
+    assert fetched == [0, 1, 2, 3, 4]
     assert json.loads((b / "checkpoint" / "state.json").read_text())["step"] == 3
-    monkeypatch.setattr(tr, "train_batch", real)
+
+    def counting(stream, batch, seq, seed, step):
+        fetched.append(step)
+        return real(stream, batch, seq, seed, step)
+
+    fetched.clear()
+    monkeypatch.setattr(tr, "train_batch", counting)
     assert main([*_train_args(b, corpus), "--json", str(tmp_path / "b.json")]) == 0
+    assert fetched == [3, 4, 5]  # only the remaining steps were trained
     rb = json.loads((tmp_path / "b.json").read_text())
     assert rb["train_loss"] == pytest.approx(ra["train_loss"], abs=1e-5)
+    assert [s for s, _ in rb["val_loss"]] == [s for s, _ in ra["val_loss"]] == [0, 3, 6]
+    assert [v for _, v in rb["val_loss"]] == pytest.approx([v for _, v in ra["val_loss"]], abs=1e-5)
+    assert len(rb["tokens_per_s"]) == 6
+    assert json.loads((b / "checkpoint" / "state.json").read_text())["step"] == 6
+    wa, wb = _exported(a), _exported(b)
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=0, rtol=0, msg=k)
     capsys.readouterr()
     ppl = {}
     for plan in ([], ["--plan", str(a / "model" / "plan.json")], ["--plan", "none"]):  # default = its own plan
@@ -131,8 +165,27 @@ def test_train_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch, capsys
     assert "ppl" in capsys.readouterr().out
     assert ppl["default"] == ppl[str(a / "model" / "plan.json")] != ppl["none"]
     # other settings in the same directory: refused
-    assert main(_train_args(a, corpus, steps=7)) == 2
+    assert main(_train_args(b, corpus, steps=7)) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_train_launch_matches_simulated(tmp_path, corpus, uninterrupted) -> None:
+    """`syncdrop train --launch` (2 gloo ranks, one process each, gradient all-reduce) gives the
+    simulated run's losses and exported weights (float tolerance: the ranks sum their gradients
+    in another order), and the same plan."""
+    a, ra = uninterrupted
+    c = tmp_path / "c"
+    assert main([*_train_args(c, corpus), "--launch", "--json", str(tmp_path / "c.json")]) == 0
+    rc = json.loads((tmp_path / "c.json").read_text())
+    assert rc["settings"]["tp"] == 2 and len(rc["train_loss"]) == 6
+    assert rc["train_loss"] == pytest.approx(ra["train_loss"], abs=1e-5)
+    assert [s for s, _ in rc["val_loss"]] == [s for s, _ in ra["val_loss"]]
+    assert [v for _, v in rc["val_loss"]] == pytest.approx([v for _, v in ra["val_loss"]], abs=1e-5)
+    wa, wc = _exported(a), _exported(c)
+    assert sorted(wa) == sorted(wc)
+    for k in wa:
+        torch.testing.assert_close(wc[k], wa[k], atol=1e-6, rtol=1e-5, msg=k)
+    assert json.loads((c / "model" / "plan.json").read_text()) == json.loads((a / "model" / "plan.json").read_text())
 
 
 @pytest.mark.parametrize("extra,msg", [(["--sync-fraction", "1.5"], "--sync-fraction"),

@@ -85,7 +85,9 @@ def assert_config_matches_hf(src: ModelSource, hf_cfg) -> None:
         return
     assert c.arch == hf_cfg.architectures[0]
     assert c.num_kv_heads == hf_cfg.num_key_value_heads
-    assert c.head_dim == getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    # transformers leaves head_dim unset (absent or None) when it is hidden / heads
+    want_head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    assert c.head_dim == want_head_dim
     assert c.intermediate_size == hf_cfg.intermediate_size
     assert c.norm_eps == hf_cfg.rms_norm_eps and c.act == hf_cfg.hidden_act
     assert c.rope_theta == hf_cfg.rope_parameters["rope_theta"]
