@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check syncdrop tests benchmarks
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
