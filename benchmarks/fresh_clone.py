@@ -51,7 +51,8 @@ def main() -> int:
     for target in args.targets.split(","):
         log.info("make %s in %s ...", target, clone)
         code, secs, text = run(["make", target], clone, work / f"make_{target}.log", env)
-        summary = [ln for ln in text.splitlines() if re.search(r"\d+ passed|\d+ failed|error|^chosen:|^report:", ln)][-3:]
+        summary_re = re.compile(r"\d+ passed|\d+ failed|error|^chosen:|^report:")
+        summary = [ln for ln in text.splitlines() if summary_re.search(ln)][-3:]
         skipped = [ln for ln in text.splitlines() if "SKIPPED" in ln or "skipped" in ln.lower()][:20]
         rows.append({"target": target, "exit_code": code, "wall_s": secs, "summary": summary, "skipped": skipped})
         log.info("make %s: exit %d in %.0f s", target, code, secs)
