@@ -79,6 +79,17 @@ def _heads(units: list[tuple[int, ...]]) -> int:
     return sum(len(u) for u in units)
 
 
+def _planted_case(units: list[tuple[int, ...]], sizes: list[int], clusters: list[list[int]], seed: int):
+    """A distance matrix with ``clusters`` planted, checked by brute force to be its unique optimum;
+    returns (D, the optimum as a set of rank sets, the identity order, units per rank)."""
+    unit_sizes = [s // len(units[0]) for s in sizes]
+    D = _planted(_heads(units), clusters, seed=seed)
+    _, arg = _brute_force(D, units, unit_sizes)
+    want = frozenset(frozenset(c) for c in clusters)
+    assert arg == {want}
+    return D, want, list(range(_heads(units))), unit_sizes
+
+
 @pytest.mark.parametrize("units,sizes,clusters", [
     ([(a,) for a in range(6)], [3, 3], [[0, 3, 5], [1, 2, 4]]),
     ([(a,) for a in range(6)], [2, 2, 2], [[0, 4], [1, 3], [2, 5]]),
@@ -89,13 +100,7 @@ def test_exhaustive_order_is_the_brute_force_optimum(units, sizes, clusters) -> 
     """At most 8 units: the order found is optimal (the planted, non-identity assignment, which
     brute force confirms is the unique optimum); on seeded random matrices its value equals the
     brute-force maximum."""
-    G = len(units[0])
-    unit_sizes = [s // G for s in sizes]
-    D = _planted(_heads(units), clusters, seed=1)
-    best, arg = _brute_force(D, units, unit_sizes)
-    want = frozenset(frozenset(c) for c in clusters)
-    assert arg == {want}
-    identity = list(range(_heads(units)))
+    D, want, identity, unit_sizes = _planted_case(units, sizes, clusters, seed=1)
     assert frozenset(_ranks_of(identity, sizes)) != want
     order = _best_order(D, units, sizes, seed=0)
     assert sorted(order) == identity
@@ -130,18 +135,12 @@ def test_swap_search_reaches_the_optimum_beyond_8_units(units, sizes, clusters) 
     """More than 8 units: swap search from seeded starts. Its result is a local optimum (no
     exchange of two units improves it; checked on random matrices too) and, on a planted case
     whose identity start is not a local optimum, the brute-force optimum."""
-    G = len(units[0])
-    unit_sizes = [s // G for s in sizes]
-    D = _planted(_heads(units), clusters, seed=2)
-    best, arg = _brute_force(D, units, unit_sizes)
-    want = frozenset(frozenset(c) for c in clusters)
-    assert arg == {want}
-    identity = list(range(_heads(units)))
+    D, want, identity, unit_sizes = _planted_case(units, sizes, clusters, seed=2)
     assert _swap_improves(D, identity, units, sizes)  # the search has work to do
     order = _best_order(D, units, sizes, seed=0)
     assert sorted(order) == identity
     assert frozenset(_ranks_of(order, sizes)) == want
-    assert _within(D, _ranks_of(order, sizes)) == pytest.approx(best, abs=1e-9)
+    assert _within(D, _ranks_of(order, sizes)) == pytest.approx(_brute_force(D, units, unit_sizes)[0], abs=1e-9)
     for seed in range(3):
         R = _planted(_heads(units), [], seed=20 + seed)
         got = _best_order(R, units, sizes, seed=seed)
