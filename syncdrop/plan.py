@@ -15,7 +15,7 @@ A plan is a list with one entry per block, ``{"attn": MODE, "mlp": "full"}``. At
 
 Partial sync (CAAT-Net, docs/methods.md): ``{"partial": p}`` for ``attn`` or ``mlp`` all-reduces only
 the first ``k = round(p * h)`` channels; each rank keeps its other channels, scaled by sqrt(N)
-(:func:`syncdrop.models.block.partial_reduce`). The residual stream then differs per rank, and the
+(:meth:`syncdrop.parallel.comm.Communicator.partial_reduce`). The residual stream then differs per rank, and the
 LM head becomes vocab-parallel. ``mlp`` may be partial under ``attn: drop`` too (SPD + partial).
 Models must be trained this way (``syncdrop train``).
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from syncdrop.models.block import ForwardContext, block_forward
 from syncdrop.models.loading import load_dense, resolve_model
 from syncdrop.models.rope import inv_frequencies, rope_tables
+from syncdrop.parallel.block import ForwardContext, block_forward
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import simulated_model
 

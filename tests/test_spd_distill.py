@@ -35,7 +35,7 @@ def _grouping(src, tp: int, layer: int, unit: str, mlp: str):
     batches = _batches(teacher, _windows(src, 2, 24), 1)
     if layer:  # residual entering the block: run the earlier blocks
         with torch.no_grad():
-            from syncdrop.models.block import block_forward
+            from syncdrop.parallel.block import block_forward
 
             batches = [(block_forward(x, teacher.blocks[0], teacher.geo, cfg, teacher.comm, c), c)
                        for x, c in batches]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.comm import CommWrapper
+from syncdrop.parallel.device import synchronize
 
 _UNITS_BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _UNITS_BITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
@@ -76,31 +78,33 @@ def wait(seconds: float) -> None:
         pass
 
 
-class EmulatedLinkComm:
-    """Wraps a communicator; each all-reduce then waits ``link.delay(payload bytes)`` more."""
+class EmulatedLinkComm(CommWrapper):
+    """Wraps a communicator; each all-reduce and logits all-gather then waits ``link.delay(payload
+    bytes)`` more, where the payload is one rank's share of the tensor handed to it. The device is
+    synchronised first, so that the wait starts when the collective has really finished (on CUDA
+    the call returns as soon as it is queued). Partial reduces and broadcasts go through the inner
+    communicator's path; a partial reduce pays for the ``k`` channels it sends, through
+    :meth:`all_reduce`."""
 
     def __init__(self, inner, link: Link) -> None:
-        self.inner, self.link = inner, link
-        self.tp = inner.tp
+        super().__init__(inner)
+        self.link = link
         self.waited_s = 0.0
 
-    @property
-    def calls(self) -> int:
-        return self.inner.calls
-
-    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Vocab-parallel logits gather (partial-sync plans), delayed like an all-reduce of its payload."""
-        out = self.inner.all_gather_last(x, sizes)
-        d = self.link.delay(x.numel() * x.element_size())
+    def _delay(self, out: torch.Tensor, nbytes: int) -> None:
+        synchronize(out.device)
+        d = self.link.delay(nbytes)
         wait(d)
         self.waited_s += d
+
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Vocab-parallel logits gather (partial-sync plans), delayed like an all-reduce of one rank's slice."""
+        out = self.inner.all_gather_last(x, sizes)
+        local = max(1, len(sizes) if x.shape[-1] == sum(sizes) else 1)  # the simulation holds every rank's slice
+        self._delay(out, x.numel() * x.element_size() // local)
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.all_reduce(x)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        d = self.link.delay(x.numel() * x.element_size() // max(1, x.shape[0]))  # one rank's payload
-        wait(d)
-        self.waited_s += d
+        self._delay(out, x.numel() * x.element_size() // max(1, x.shape[0]))  # one rank's payload
         return out

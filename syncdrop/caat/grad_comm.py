@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from syncdrop.parallel.comm import CommWrapper
+
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
@@ -46,15 +48,13 @@ class _GatherLast(torch.autograd.Function):
         return g[..., ctx.start : ctx.start + ctx.n], None, None, None
 
 
-class GradComm:
-    """Wraps a :class:`~syncdrop.parallel.dist.DistComm` (one local rank) for training."""
+class GradComm(CommWrapper):
+    """Wraps a :class:`~syncdrop.parallel.dist.DistComm` (one local rank) for training: its all-reduce
+    and logits all-gather are differentiable; the partial reduce (inherited) uses that all-reduce."""
 
     def __init__(self, inner, rank: int) -> None:
-        self.inner, self.rank, self.tp = inner, rank, inner.tp
-
-    @property
-    def calls(self) -> int:
-        return self.inner.calls
+        super().__init__(inner)
+        self.rank = rank
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return _AllReduce.apply(x, self.inner)

@@ -1,7 +1,7 @@
 """Architecture description shared by every model family.
 
 One dataclass describes Llama-family (Llama, Mistral, Qwen2, SmolLM2) and OPT decoders. The block
-math in :mod:`syncdrop.models.block` reads only these fields; loaders fill them from a
+math in :mod:`syncdrop.parallel.block` reads only these fields; loaders fill them from a
 ``config.json`` or from GGUF metadata.
 
 Canonical weight names (what loaders produce and sharding consumes), PyTorch ``nn.Linear``

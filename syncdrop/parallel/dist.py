@@ -1,9 +1,10 @@
 """The distributed runtime: one tensor-parallel rank per process on ``torch.distributed``.
 
 Started by ``torchrun`` (or ``--launch``, see :mod:`syncdrop.parallel.launch`), which sets
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Backend: NCCL when
-CUDA is available, else gloo. Every collective has a timeout, so a rank that dies or hangs makes
-the others fail with a clear message instead of waiting forever.
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. The backend and
+device are chosen once, by :func:`syncdrop.runtime.choose_runtime`. Every collective has a
+timeout, so a rank that dies or hangs makes the others fail with a clear message instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.comm import Communicator
 
 # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,27 +63,57 @@ def context() -> DistContext | None:
     return _CTX
 
 
-def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistContext:
-    """Join the process group (idempotent). ``timeout_s`` bounds every collective."""
+def local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, which torchrun and ``--launch`` set); the
+    global rank is not a substitute on multiple nodes, so without it this is an error."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        raise SyncdropError("LOCAL_RANK is not set: start the job with torchrun or --launch (they set it); "
+                            "the global RANK is not this process's rank on its node")
+    return int(value)
+
+
+def local_world_size() -> int:
+    """Ranks on this node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``: a single-node job)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo",
+         device: torch.device | None = None) -> DistContext:
+    """Join the process group (idempotent) with ``backend`` (``gloo`` or ``nccl``, chosen by
+    :func:`syncdrop.runtime.choose_runtime`) and this rank's ``device``. ``timeout_s`` bounds every
+    collective.
+
+    NCCL reports failures asynchronously, so a dead peer would otherwise surface as a hang or an
+    abort from a watchdog thread. Here every collective is issued with ``async_op=True`` and waited
+    for with ``work.wait(timeout)`` under ``TORCH_NCCL_BLOCKING_WAIT=1`` (set unless the user set
+    it), which makes the wait block this thread and raise when the peer is gone or the timeout
+    passes; :func:`_guarded` turns that into :class:`RankFailure`. ``device_id`` binds the NCCL
+    communicator to this rank's GPU at start-up (eager init: a missing peer fails here, not in the
+    first collective)."""
     global _CTX, _TIMEOUT
     if _CTX is not None:
         return _CTX
+    if backend not in ("gloo", "nccl"):
+        raise SyncdropError(f"backend must be gloo or nccl, got {backend!r}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(device or "cpu")
+    kwargs = {}
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        # CleanUpOnly: on an error abort the communicators but keep the process, so that the failing
+        # wait raises here and the rank exits with our one-line message and exit code
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
     except Exception as e:  # rendezvous failed or timed out
         raise RankFailure(f"rank {rank}: could not join the process group of {world} ranks "
                           f"within {timeout_s:.0f}s ({_first_line(e)})") from e
     _TIMEOUT = timedelta(seconds=timeout_s)
-    _CTX = DistContext(rank, world, local_rank, backend, device)
+    lr = int(os.environ.get("LOCAL_RANK", "0")) if device.type == "cpu" else local_rank()
+    _CTX = DistContext(rank, world, lr, backend, device)
     log.info("rank %d/%d joined (%s on %s)", rank, world, backend, device)
     return _CTX
 
@@ -104,7 +136,8 @@ def shutdown(ok: bool = True) -> None:
     if ok and ctx.world > 1:
         try:
             if ctx.backend == "gloo":
-                _guarded("shutdown barrier", dist.monitored_barrier, timeout=_TIMEOUT, wait_all_ranks=True)
+                _guarded("shutdown barrier", dist.monitored_barrier, timeout=_TIMEOUT, wait_all_ranks=True,
+                         async_op=False)
             else:
                 _guarded("shutdown barrier", dist.barrier)
         except RankFailure as e:
@@ -140,18 +173,28 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def _guarded(what: str, fn, *args, **kwargs):
-    """Run a collective; turn any failure into a :class:`RankFailure` naming what happened."""
+def _guarded(what: str, fn, *args, async_op: bool = True, **kwargs):
+    """Run a collective and wait for it, bounded by the collective timeout; turn any failure into a
+    :class:`RankFailure` naming what happened. ``fn`` is issued with ``async_op=True`` and its work
+    handle waited for with ``wait(timeout)``: under NCCL that is how an asynchronous error or a dead
+    peer reaches this thread (see :func:`init`); under gloo it is the same bound. ``async_op=False``:
+    a call that takes its own timeout (``monitored_barrier``)."""
     try:
-        return fn(*args, **kwargs)
+        if not async_op:
+            return fn(*args, **kwargs)
+        work = fn(*args, async_op=True, **kwargs)
+        if work is not None:
+            work.wait(timeout=_TIMEOUT)
+        return work
     except Exception as e:
         rank = _CTX.rank if _CTX else "?"
         raise RankFailure(f"rank {rank}: {what} failed: a peer rank died, hung past the timeout, "
                           f"or the link broke ({_first_line(e)})") from e
 
 
-class DistComm:
-    """All-reduce over the tensor-parallel process group (this process holds one rank).
+class DistComm(Communicator):
+    """The :class:`~syncdrop.parallel.comm.Communicator` of the tensor-parallel process group (this
+    process holds one rank). Every collective is bounded by the collective timeout (:func:`_guarded`).
 
     ``exact=False`` (default): ``torch.distributed.all_reduce`` (ring or tree, as the backend
     chooses). Its summation order differs per chunk, so results match the simulation only to
@@ -190,17 +233,21 @@ class DistComm:
         parts = parts.view(self.tp, *x.shape[:-1], n)  # (N, ..., n)
         return torch.cat([parts[r, ..., : sizes[r]] for r in range(self.tp)], dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (a copy when ``x`` is not contiguous)."""
+        x = x.contiguous()
+        if self.tp > 1:
+            _guarded("broadcast", dist.broadcast, x, src=0, group=self.group)
+        return x
 
-def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
-    """Everyone gets rank 0's ``t`` (e.g. sampled tokens, so all ranks continue identically)."""
-    t = t.contiguous()
-    _guarded("broadcast", dist.broadcast, t, src=0)
-    return t
+    def barrier(self) -> None:
+        if self.tp > 1:
+            barrier(self.group)
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank (under the collective timeout)."""
-    _guarded("barrier", dist.barrier)
+    _guarded("barrier", dist.barrier, group=group)
 
 
 def fingerprint(obj: object) -> str:

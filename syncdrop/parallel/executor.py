@@ -1,7 +1,7 @@
 """Tensor-parallel model execution over R local ranks with a per-block sync plan.
 
 :class:`TPModel` holds the replicated parts (embeddings, final norm, LM head) and each block's
-per-rank weights, and runs :func:`syncdrop.models.block.block_forward` block by block. With a
+per-rank weights, and runs :func:`syncdrop.parallel.block.block_forward` block by block. With a
 :class:`SimulatedComm` and all N ranks local it is the exact single-process simulation used for
 accuracy work; the distributed runtime uses the same class with one local rank.
 """
@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from syncdrop.errors import SyncdropError
-from syncdrop.models.block import Communicator, ForwardContext, LayerKV, block_forward, norm
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import inv_frequencies, rope_tables
-from syncdrop.parallel.comm import SimulatedComm
+from syncdrop.parallel.block import ForwardContext, LayerKV, block_forward, norm
+from syncdrop.parallel.comm import Communicator, SimulatedComm
 from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import BlockWeights, TensorSource, block_weights, local_geometry
 from syncdrop.plan import SyncPlan
@@ -186,7 +186,7 @@ class TPModel:
         Plans with partial sync: ``hidden`` is ``(..., R*h)``, the local ranks' own final-normed
         streams side by side (:meth:`run_blocks`), and the head is vocab-parallel: rank r computes
         the logits of its vocabulary slice (:func:`vocab_slices`) from its own stream; the slices
-        are concatenated (all-gathered across processes in the distributed runtime).
+        are concatenated in rank order by the communicator's ``all_gather_last``.
         """
         if not self.plan.has_partial:
             return hidden @ self.lm_head.t()
@@ -196,9 +196,7 @@ class TPModel:
         # a slice, not a range index: indexing with a range would copy the rows on every call
         local = [parts[..., j, :] @ self.lm_head[slices[r].start:slices[r].stop].t()
                  for j, r in enumerate(self.geo.ranks)]
-        if self.geo.r == self.layout.tp:
-            return torch.cat(local, dim=-1)
-        return self.comm.all_gather_last(torch.cat(local, dim=-1), [len(s) for s in slices])
+        return self.comm.all_gather_last(torch.cat(local, dim=-1), [len(s) for s in slices])  # (..., V)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, S, V)``."""
@@ -215,9 +213,11 @@ def vocab_slices(vocab: int, tp: int) -> list[range]:
 def simulated_model(
     cfg: ModelConfig, weights: object, tp: int, plan: SyncPlan | None = None,
     dtype: torch.dtype = torch.float32, layout: ShardLayout | None = None, progress: bool = False,
-    block_layouts: Mapping[int, ShardLayout] | None = None,
+    block_layouts: Mapping[int, ShardLayout] | None = None, device: torch.device | str = "cpu",
+    comm: Communicator | None = None,
 ) -> TPModel:
-    """All ``tp`` ranks in this process (exact simulation)."""
+    """All ``tp`` ranks in this process (exact simulation) on ``device``; ``comm``: a
+    :class:`SimulatedComm` of ``tp`` ranks, possibly wrapped (default: a plain one)."""
     layout = layout or ShardLayout.build(cfg, tp)
-    return TPModel(cfg, weights, layout, SimulatedComm(tp), plan, dtype=dtype, progress=progress,
-                   block_layouts=block_layouts)
+    return TPModel(cfg, weights, layout, comm or SimulatedComm(tp), plan, dtype=dtype, progress=progress,
+                   block_layouts=block_layouts, device=device)

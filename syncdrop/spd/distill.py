@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from syncdrop.errors import SyncdropError
-from syncdrop.models.block import ForwardContext, block_forward
 from syncdrop.models.config import ModelConfig, layer_names
+from syncdrop.parallel.block import ForwardContext, block_forward
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import TPModel, simulated_model
 from syncdrop.parallel.sharding import ShardLayout

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from syncdrop.models.block import ForwardContext, attention_partial, column_linear, mlp_partial, norm
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import apply_rope
+from syncdrop.parallel.block import ForwardContext, attention_partial, column_linear, mlp_partial, norm
 from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import TensorSource, block_weights, local_geometry
 from syncdrop.spd import HG_MLP as MLP_MATCHING
@@ -193,7 +193,7 @@ def _mlp_norm(src, cfg, tp, layer, head_order, ffn_order, local_inputs) -> float
 
 def _channel_assignment(params, p, cfg: ModelConfig, local_inputs, capacity: list[int]) -> list[int]:
     """Channels to ranks by output-magnitude score, greedily by regret, counts fixed."""
-    from syncdrop.models.block import ACTIVATIONS
+    from syncdrop.parallel.block import ACTIVATIONS
 
     tp = len(capacity)
     down_norm = params[p + "down.weight"].detach().norm(dim=0)  # (F,)

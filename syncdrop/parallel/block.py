@@ -13,33 +13,23 @@ Block math (docs/methods.md, SPD block; P_r = bias-free o_proj partial of rank r
 ``full``:  X' = X + AllReduce(P_r) + b_o;  X_out = X' + AllReduce(MLP_r(norm(X'))) + b_down
 ``drop``:  H_r = X + P_r + b_o;  Z_r = MLP_r(norm(H_r));  X_out = X + AllReduce(P_r + Z_r) + b_o + b_down
 and the ablations ``naive``, ``desync``, ``bias-in-sum`` documented in :mod:`syncdrop.plan`.
-A sync point may instead be a partial channel reduce (:func:`partial_reduce`, CAAT-Net): then
+A sync point may instead be a partial channel reduce (:meth:`Communicator.partial_reduce
+<syncdrop.parallel.comm.Communicator.partial_reduce>`, CAAT-Net): then
 ``AllReduce(Y_r) + b`` is replaced by ``PartialReduce_k(Y_r, b)`` and the residual keeps a rank
 axis of length R from there on (shared channels equal on every rank, private ones not).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import apply_rope
+from syncdrop.parallel.comm import Communicator
 from syncdrop.parallel.weights import BlockWeights, LocalGeometry
-
-
-class Communicator(Protocol):
-    """Sums rank partials over all N tensor-parallel ranks."""
-
-    tp: int
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``(R_local, M, h)`` partials -> ``(1, M, h)`` sum over all N ranks."""
-        ...
 
 
 @dataclass
@@ -153,61 +143,11 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x if b is None else x + b
 
 
-def partial_reduce(comm: Communicator, y: torch.Tensor, k: int, b: torch.Tensor | None, scale: bool = True,
-                   mask: str = "fixed") -> torch.Tensor:
-    """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (docs/methods.md, CAAT):
-
-    ``out_r = concat(AllReduce(y[..., :k]) + b[:k],  sqrt(N) * (y_r[..., k:] + b[k:]))``
-
-    The first ``k`` channels are shared (summed over all N ranks, so equal everywhere), the others
-    private: each rank keeps its own, scaled by sqrt(N). The bias is added once, after the sum and
-    before the scaling. Returns ``(R, M, h)`` (``(1, M, h)`` when ``k == h``: an ordinary all-reduce).
-    Only ``k`` channels travel: the all-reduce payload is ``k / h`` of a full one.
-
-    Ablations (:class:`~syncdrop.plan.Partial`): ``scale=False`` keeps private channels unscaled;
-    ``mask="random"`` shares a fresh random set of ``k`` channels per call (drawn from the
-    communicator's generator, so every rank draws the same set); ``mask="topk"`` lets each rank
-    share, per token, its own ``k`` largest-magnitude channels (a masked all-reduce of all ``h``
-    channels; a channel's sum holds only the ranks that chose it).
-    """
-    h = y.shape[-1]
-    s = math.sqrt(comm.tp) if scale else 1.0
-    if mask == "fixed" and k >= h:
-        return _add(comm.all_reduce(y), b)
-    yb = _add(y, b)  # each rank's value with the bias; private channels are these, scaled
-    if mask == "topk":
-        if k == 0:
-            return yb * s
-        m = torch.zeros_like(y, dtype=torch.bool).scatter_(-1, yb.abs().topk(k, dim=-1).indices, True)
-        shared = _add(comm.all_reduce(torch.where(m, y, torch.zeros_like(y))), b)  # bias once, after the sum
-        return torch.where(m, shared.expand_as(y), yb * s)
-    out = yb * s
-    if k == 0:
-        return out
-    if mask == "fixed":  # the first k channels: slices, no index tensors
-        shared = _add(comm.all_reduce(y[..., :k]), None if b is None else b[:k])  # (1, M, k): only k travel
-        return torch.cat([shared.expand(y.shape[0], -1, -1), out[..., k:]], dim=-1)
-    idx = torch.randperm(h, generator=_mask_generator(comm))[:k].to(y.device)  # random mask
-    shared = comm.all_reduce(y.index_select(-1, idx))  # (1, M, k): only k channels travel
-    if b is not None:
-        shared = shared + b[idx]
-    return out.index_copy(-1, idx, shared.expand(y.shape[0], -1, -1))
-
-
-def _mask_generator(comm: Communicator) -> torch.Generator:
-    """Per-communicator generator for random channel masks: every rank advances it identically."""
-    g = getattr(comm, "_mask_generator", None)
-    if g is None:
-        g = torch.Generator().manual_seed(0)
-        comm._mask_generator = g
-    return g
-
-
 def _sync(comm: Communicator, y: torch.Tensor, mode, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x + Sync(y) + b`` for a sync point in ``mode`` (``"full"`` or a ``Partial``)."""
     if mode == "full":
         return _add(x + comm.all_reduce(y), b)
-    return x + partial_reduce(comm, y, mode.channels(y.shape[-1]), b, mode.scale, mode.mask)
+    return x + comm.partial_reduce(y, mode.channels(y.shape[-1]), b, mode.scale, mode.mask)
 
 
 def block_forward(
