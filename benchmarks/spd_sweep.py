@@ -31,6 +31,7 @@ from syncdrop.eval.perplexity import make_windows, perplexity
 from syncdrop.io_utils import atomic_write_bytes, atomic_write_json, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
 from syncdrop.parallel.executor import TPModel, simulated_model
+from syncdrop.parallel.sharding import distilled_layouts
 from syncdrop.plan import SyncPlan
 from syncdrop.spd.distill import DistillSettings, default_lr, distill
 from syncdrop.spd.planning import drop_order, load_profile
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if v != "zs" and v not in loaded:
                 b = resolve_model(str(banks[v]))
-                loaded[v] = simulated_model(cfg, b.reader, args.tp, block_layouts=b.spd.layouts(cfg))
+                loaded[v] = simulated_model(cfg, b.reader, args.tp, block_layouts=distilled_layouts(b.spd, cfg))
             m = _compose(orig, loaded.get(v), dropped, L)
             r = perplexity(m, tw, progress=False)
             rows.append({"fraction": f, "variant": v, "dropped": dropped, "ppl": r.ppl, "window_nll": r.window_nll})

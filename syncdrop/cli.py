@@ -12,53 +12,18 @@ import logging
 import sys
 import time
 
+from syncdrop.cli_args import (
+    add_model_args,
+    at_least,
+    build_from_args,
+    check_launch_devices,
+    error_line,
+    link_from_args,
+)
 from syncdrop.errors import SyncdropError
-from syncdrop.plan import DROP_VARIANTS, PLAN_SPEC_HELP, SyncPlan
+from syncdrop.plan import SyncPlan
 
 log = logging.getLogger("syncdrop")
-
-
-def _add_model_args(p: argparse.ArgumentParser, distributed: bool = True) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree N (default 1)")
-    p.add_argument("--plan", default=None,
-                   help=f"sync plan: {PLAN_SPEC_HELP} (default: none, or the plan a `syncdrop distill` "
-                        "directory given as --model was made for)")
-    p.add_argument("--drop-variant", default="drop", choices=DROP_VARIANTS,
-                   help="what a dropped block does for spec plans: drop = the SPD block (default); "
-                        "naive, desync, bias-in-sum = ablations")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    if distributed:
-        p.add_argument("--executor", default="auto", choices=["auto", "simulated", "hf"],
-                       help="auto (default): one rank per process under torchrun/--launch, else all N ranks "
-                            "simulated in this process; hf: transformers' dense model (reference)")
-        p.add_argument("--launch", action="store_true",
-                       help="start --tp worker processes on this machine (like torchrun --nproc-per-node N)")
-        p.add_argument("--exact-reduce", action="store_true",
-                       help="distributed: all-gather partials and sum in rank order (bitwise equal to the "
-                            "simulation, N/2 x the traffic of a ring all-reduce)")
-        p.add_argument("--link-bandwidth", default=None,
-                       help="emulate a slow link: each all-reduce waits payload/bandwidth extra (e.g. 1GB/s)")
-        p.add_argument("--link-latency", default=None, help="emulated per-collective latency (e.g. 50us)")
-        p.add_argument("--dist-timeout", type=float, default=60.0,
-                       help="seconds before a collective waiting on a dead or hung rank fails (default 60)")
-
-
-def _link(args: argparse.Namespace):
-    from syncdrop.bench.link import Link, parse_bandwidth, parse_latency
-
-    bw = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
-    lat = parse_latency(args.link_latency) if args.link_latency else 0.0
-    return Link(bw, lat)
-
-
-def _build(args: argparse.Namespace, progress: bool = True):
-    from syncdrop.runtime import build
-
-    return build(args.model, args.tp, args.plan, args.dtype, args.executor, args.drop_variant,
-                 progress=progress, dist_timeout=args.dist_timeout, exact_reduce=args.exact_reduce,
-                 link=_link(args))
 
 
 def _own_plan(source, spec: str) -> SyncPlan:
@@ -79,18 +44,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from syncdrop.parallel import dist
     from syncdrop.plan import parse_plan, split_plan_list
 
-    for name in ("prompt_len", "decode_tokens", "reps", "batch"):
-        if getattr(args, name) < 1:
-            raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise SyncdropError(f"--warmup must be >= 0, got {args.warmup}")
+    at_least(args, 1, "prompt_len", "decode_tokens", "reps", "batch")
+    at_least(args, 0, "warmup")
     if args.tp > 1 and not dist.launched_by_torchrun():
         raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
     if args.executor == "hf":
         raise SyncdropError("bench runs syncdrop's executors: use --executor auto")
     specs = split_plan_list(args.plans)
-    link = _link(args)
-    built = _build(args, progress=False)
+    link = link_from_args(args)
+    built = build_from_args(args, progress=False)
     L = built.source.config.num_layers
     plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
              for s in specs]
@@ -100,17 +62,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if len(ids) < args.prompt_len * args.batch:
         raise SyncdropError(f"--dataset has fewer than {args.prompt_len * args.batch} tokens")
     prompt = torch.tensor(ids[: args.prompt_len * args.batch]).view(args.batch, args.prompt_len)
-    barrier = dist.barrier if built.dist else (lambda: None)
-    res = latency_bench(built.model, plans, prompt, args.decode_tokens, args.reps, args.warmup, barrier,
+    for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
+        built.use_plan(plan)
+    res = latency_bench(built.use_plan, plans, prompt, args.decode_tokens, args.reps, args.warmup,
                         progress=built.is_main and not args.quiet)
+    memory = built.memory()
     if not built.is_main:
         return 0
+    rt = built.runtime
     settings = {"model": built.source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": args.batch,
                 "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
                 "link": link.to_dict(), "link_description": link.describe(), "exact_reduce": args.exact_reduce,
-                "runtime": "distributed" if built.dist else "single-process",
-                "backend": built.dist.backend if built.dist else None,
-                "device": str(built.model.device), "threads_per_rank": torch.get_num_threads(),
+                "runtime": "distributed" if built.dist else "single-process", "backend": rt.backend,
+                "device": str(rt.device), "executor": rt.executor, "threads_per_rank": torch.get_num_threads(),
                 "hidden_size": built.source.config.hidden_size, "num_layers": L, "model_spec": args.model,
                 "model_config": built.source.config.to_dict()}
     table = markdown_table(res)
@@ -118,8 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{args.decode_tokens} decode tokens, link: {link.describe()}, median of {args.reps} interleaved reps")
     print(table)
     if args.json:
-        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": built.memory,
-                                      **res})
+        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": memory, **res})
         atomic_write_text(args.json.removesuffix(".json") + ".md", table)
     return 0
 
@@ -129,14 +92,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     from syncdrop.eval.perplexity import make_windows, perplexity
     from syncdrop.io_utils import atomic_write_json, provenance
 
-    if args.batch_size < 1:
-        raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.seq_len < 2:
-        raise SyncdropError(f"--seq-len must be at least 2, got {args.seq_len}")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise SyncdropError(f"--max-windows must be at least 1, got {args.max_windows}")
+    at_least(args, 1, "batch_size", "max_windows")
+    at_least(args, 2, "seq_len")
     data = load_text(args.dataset, args.data_dir)  # fail fast before loading the model
-    built = _build(args, progress=not args.quiet)
+    built = build_from_args(args, progress=not args.quiet)
     log.info("rank %s ready", built.dist.rank if built.dist else 0)
     tok = built.source.load_tokenizer()
     ids = tok(data.text, add_special_tokens=False)["input_ids"]
@@ -144,9 +103,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = perplexity(built.model, windows, args.batch_size, progress=not args.quiet and built.is_main)
     elapsed = time.perf_counter() - t0
+    memory = built.memory()
     if not built.is_main:
         return 0
-    runtime = "distributed" if built.dist else ("hf" if args.executor == "hf" else "simulated")
+    runtime = built.runtime.executor
     print(f"{built.source.name} tp={args.tp} ({runtime}) plan={built.plan.summary()} {data.name}: "
           f"ppl {res.ppl:.4f} ({res.tokens} tokens, {res.windows} windows of {res.seq_len}, {elapsed:.1f}s)")
     if args.json:
@@ -156,7 +116,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
             "plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "executor": runtime,
             "dtype": args.dtype, "dataset": data.name, "dataset_source": data.source, "dataset_path": data.path,
             "max_windows": args.max_windows, "elapsed_s": elapsed, "window_nll": res.window_nll,
-            "memory": built.memory, "provenance": provenance(),
+            "device": str(built.runtime.device), "backend": built.runtime.backend,
+            "memory": memory, "provenance": provenance(),
         })
     return 0
 
@@ -172,16 +133,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SyncdropError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.executor == "hf":
         raise SyncdropError("generate runs syncdrop's executors: use --executor auto or simulated")
-    built = _build(args, progress=False)
+    built = build_from_args(args, progress=False)
     tok = built.source.load_tokenizer()
     ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise SyncdropError("--prompt is empty after tokenization")
-    agree = None
-    if built.dist is not None and any(b.attn == "naive" for b in built.plan.blocks):
-        from syncdrop.parallel.dist import broadcast_from_main
-
-        agree = broadcast_from_main  # ranks' streams diverge under naive drops: use rank 0's tokens
+    # ranks' streams diverge under naive drops: every rank takes rank 0's tokens
+    # ranks whose streams differ compute different logits unless the head all-gathers them: take rank 0's token
+    diverge = built.plan.ranks_diverge and not built.plan.needs_vocab_gather
+    agree = built.comm.broadcast if diverge else None
     eos = None if args.ignore_eos else tok.eos_token_id
     out = generate(built.model, torch.tensor([ids]), args.max_new_tokens, params, eos, agree)
     if built.is_main:
@@ -196,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from syncdrop.models.loading import resolve_model
-    from syncdrop.parallel.sharding import ShardLayout
+    from syncdrop.parallel.sharding import ShardLayout, distilled_layouts
     from syncdrop.runtime import for_plan, resolve_plan
 
     src = resolve_model(args.model)
@@ -209,10 +169,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  {cfg.arch}: {cfg.num_layers} blocks, hidden {cfg.hidden_size}, heads {cfg.num_heads} "
           f"(kv {cfg.num_kv_heads}, dim {cfg.head_dim}), mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}")
     print(f"  TP={args.tp}: " + layout.describe())
-    print(f"  plan: {plan.summary()}; all-reduces per forward: {2 * cfg.num_layers - len(plan.dropped)}")
+    print(f"  plan: {plan.summary()}; all-reduces per forward: {len(plan.sync_points(cfg.hidden_size))} "
+          f"({plan.comm_units(cfg.hidden_size):g} full all-reduce units)"
+          + ("; plus one logits all-gather (vocab-parallel head)" if plan.needs_vocab_gather else ""))
     if src.spd is not None:
         print(f"  distilled for TP={src.spd.tp} from {src.spd.base_model}: blocks {distilled}; under this plan "
-              f"blocks {sorted(src.spd.blocks)} run distilled, head-grouped {sorted(src.spd.layouts(cfg))}")
+              f"blocks {sorted(src.spd.blocks)} run distilled, head-grouped {sorted(distilled_layouts(src.spd, cfg))}")
     return 0
 
 
@@ -222,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("ppl", help="perplexity under a sync plan")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--dataset", default="auto",
                    help="auto (default: WikiText-2 test, else the Shakespeare tragedies) | wikitext2 | "
                         "wikitext2:valid | shakespeare | shakespeare:test | PATH")
@@ -235,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("generate", help="generate text with a KV cache under a sync plan")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -247,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="time to first token and decode latency per plan (real ranks)")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--plans", default="none,all",
                    help="comma-separated plan specs (default none,all); `model` = the plan of a distilled --model")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -278,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_auto_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
-    _add_model_args(p, distributed=False)
+    add_model_args(p, distributed=False)
     p.set_defaults(func=cmd_info)
     return ap
 
@@ -296,7 +258,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     check_tp(cfg, args.tp)
     check_checkpoint_tp(source, args.tp)
     resolve_plan(source, args.plan, args.drop_variant)
-    _link(args)
+    link_from_args(args)
+    check_launch_devices(args.device, args.backend, args.tp)
     if hasattr(args, "plans"):
         from syncdrop.plan import split_plan_list
 
@@ -324,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             code = args.func(args)
     except SyncdropError as e:
-        print(f"syncdrop: error: {e}", file=sys.stderr)
+        print(f"syncdrop: error: {error_line(e)}", file=sys.stderr)
         code = 2
     except dist.RankFailure as e:
         print(f"syncdrop: {e}", file=sys.stderr)

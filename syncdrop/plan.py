@@ -76,6 +76,26 @@ def _mode_dict(m: SyncMode) -> Any:
     return m.to_dict() if isinstance(m, Partial) else m
 
 
+def payload_of(mode: SyncMode, hidden: int) -> float:
+    """Payload of one sync point in ``mode`` as a fraction of a full ``(M, h)`` all-reduce: 1 for
+    ``full``, 0 for a drop variant, ``round(p h) / h`` for a partial one, except the ``topk`` mask,
+    which all-reduces all ``h`` channels (unshared ones zeroed): 1, or 0 when ``round(p h) = 0``."""
+    if isinstance(mode, Partial):
+        k = mode.channels(hidden)
+        return (1.0 if k > 0 else 0.0) if mode.mask == "topk" else k / hidden
+    return 1.0 if mode == "full" else 0.0
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """One collective of a forward: block index, ``attn`` or ``mlp`` sync point, and its payload as
+    a fraction of a full ``(M, h)`` all-reduce (see :meth:`SyncPlan.sync_points`)."""
+
+    block: int
+    where: str
+    payload: float
+
+
 @dataclass(frozen=True)
 class BlockSync:
     """Sync points of one block."""
@@ -143,13 +163,70 @@ class SyncPlan:
         return any(isinstance(m, Partial) for b in self.blocks for m in (b.attn, b.mlp))
 
     def payload_fraction(self, hidden: int) -> list[float]:
-        """Per sync point (attention then MLP, block by block) the fraction of ``h`` channels sent;
-        0 for a dropped attention sync."""
+        """Per sync point (attention then MLP, block by block, ``2 L`` entries) the payload sent as a
+        fraction of a full ``(M, h)`` all-reduce (:func:`payload_of`); 0 for a dropped attention sync."""
+        return [payload_of(m, hidden) for b in self.blocks for m in (b.attn, b.mlp)]
+
+    def sync_points(self, hidden: int) -> list[SyncPoint]:
+        """The collectives one forward issues on the residual stream, in order (block by block,
+        attention then MLP), each with its payload as a fraction of a full ``(M, h)`` all-reduce:
+
+        * ``full``: 1 (``AllReduce(P_r)`` after attention, ``AllReduce(Z_r)`` after the MLP);
+        * a drop variant at the attention point: none; the block's MLP point carries what is left
+          (``drop``: ``AllReduce(P_r + Z_r)``, payload 1; ``desync``/``naive``/``bias-in-sum``: 1);
+        * ``{"partial": p}``: ``k / h`` with ``k = round(p h)`` (masks ``fixed``, ``random``); the
+          ``topk`` ablation all-reduces all ``h`` channels with the unshared ones zeroed, payload 1;
+          ``k = 0`` sends nothing and is not listed.
+
+        The vocab-parallel LM head's logits all-gather (:attr:`needs_vocab_gather`) is not a sync
+        point and is not listed.
+        """
+        if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+            raise SyncdropError(f"hidden size must be a positive integer, got {hidden!r}")
         out = []
-        for b in self.blocks:
-            for m in (b.attn, b.mlp):
-                out.append(m.channels(hidden) / hidden if isinstance(m, Partial) else (1.0 if m == "full" else 0.0))
+        for i, b in enumerate(self.blocks):
+            for where, m in (("attn", b.attn), ("mlp", b.mlp)):
+                f = payload_of(m, hidden)
+                if f > 0:
+                    out.append(SyncPoint(i, where, f))
         return out
+
+    @property
+    def collectives_per_forward(self) -> int:
+        """How many all-reduces one forward issues on the residual stream (``len(sync_points(h))``):
+        two per block, one fewer per dropped attention sync; a partial sync counts as one collective
+        (whatever its payload) unless ``p == 0``, which sends nothing. So ``2 L - len(dropped)`` for
+        plans without a ``p = 0`` partial. Independent of ``h`` except for a partial ``0 < p < 0.5 / h``,
+        which rounds to ``k = 0`` channels and is counted here but sends nothing: use
+        ``len(sync_points(h))`` for such plans. The logits all-gather of :attr:`needs_vocab_gather` is
+        not counted (nor by :attr:`syncdrop.parallel.comm.Communicator.calls`)."""
+        return sum(1 for b in self.blocks for m in (b.attn, b.mlp)
+                   if m == "full" or (isinstance(m, Partial) and m.p > 0))
+
+    def comm_units(self, hidden: int) -> float:
+        """Residual-stream communication of one forward in full-all-reduce units: the sum of the
+        payload fractions of :meth:`sync_points` (``2 L`` for the dense plan, ``2 L - len(dropped)``
+        without partial syncs, ``sum k / h`` over partial ones)."""
+        return float(sum(p.payload for p in self.sync_points(hidden)))
+
+    @property
+    def ranks_diverge(self) -> bool:
+        """True when the residual streams of different ranks can differ somewhere in a forward
+        (:mod:`syncdrop.parallel.block`): after a ``naive`` block (each rank keeps ``X + A_r``
+        unsummed) or a partial sync with ``p < 1`` (each rank keeps its private channels). The
+        other drop variants re-sync within the block: ``drop`` and ``bias-in-sum`` sum the attention
+        partials in the MLP all-reduce, and ``desync``'s output is an all-reduce (it even re-syncs
+        streams that differed before it); ``p = 1`` is an ordinary all-reduce. Conservative for
+        ``p`` so close to 1 that ``round(p h) = h``."""
+        return any(b.attn == "naive" or any(isinstance(m, Partial) and m.p < 1 for m in (b.attn, b.mlp))
+                   for b in self.blocks)
+
+    @property
+    def needs_vocab_gather(self) -> bool:
+        """True when the LM head is vocab-parallel (any partial sync, :attr:`has_partial`): each rank
+        computes the logits of its vocabulary slice from its own stream and the slices are
+        all-gathered once per forward (:meth:`syncdrop.parallel.executor.TPModel.logits`)."""
+        return self.has_partial
 
     @property
     def spd_fraction(self) -> float:

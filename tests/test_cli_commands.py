@@ -342,11 +342,18 @@ def test_link_emulation_waits_latency_plus_payload_over_bandwidth(tiny_llama_dir
                                                                   channels) -> None:
     """ppl with --link-bandwidth/--link-latency at tp 3: 3 windows of 16 in batches of 2 are two
     forwards of 2 x 16 and 1 x 16 tokens; each of its all-reduces waits latency + (one rank's payload:
-    tokens x channels x 4 bytes) / bandwidth, with channels = 48, or 24 under partial sync p = 0.5."""
+    tokens x channels x 4 bytes) / bandwidth, with channels = 48, or 24 under partial sync p = 0.5. A
+    partial plan's vocab-parallel head then gathers the logits of the 15 scored positions of each window:
+    one rank's slice padded to the largest, ceil(V / 3) columns."""
     res = run_ppl(tiny_llama_dir, tmp_path, "--tp", "3", "--plan", plan, "--dataset", str(text_file),
                   "--link-bandwidth", bandwidth, "--link-latency", latency)
     assert res["windows"] == 3
-    expected = [lat_s + tokens * channels * 4 / bps for tokens in (2 * 16, 16) for _ in range(syncs)]
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    partial = plan.startswith("partial")
+    expected = []
+    for tokens, rows in ((2 * 16, 2 * 15), (16, 15)):  # one forward each
+        expected += [lat_s + tokens * channels * 4 / bps] * syncs
+        expected += [lat_s + rows * -(-vocab // 3) * 4 / bps] if partial else []
     assert waits == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from syncdrop.bench import cost_model as cm
 from syncdrop.bench.link import Link
 from syncdrop.bench.predict import add_parser, parse_links
 from syncdrop.cli import main
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.comm import SimulatedComm
+from syncdrop.parallel.executor import simulated_model
 from syncdrop.plan import parse_plan
 
 LATENCY = Path(__file__).resolve().parent.parent / "results" / "latency"
@@ -106,6 +109,43 @@ def test_spd_fraction_to_allreduce_count_matches_plans(L: int) -> None:
         assert cm.allreduces_per_forward(L, f) == 2 * L - len(parse_plan(f"frac:{f}", L).dropped)
     with pytest.raises(SyncdropError, match="between 0 and 1, got 1.5"):
         cm.allreduces_per_forward(L, 1.5)
+
+
+def test_forward_comm_splits_latency_and_bandwidth() -> None:
+    """A forward of n collectives whose payloads sum to u full ones: n x the per-message part + u x the
+    per-byte part, written out here for a ring on 4 ranks and an emulated link; u = n is n full ones."""
+    a, b, bw, lat, sync, nb, N = 10e-6, 1e9, 2e8, 50e-6, 1e-4, 1e6, 4
+    comm = cm.CommModel(a, b, bw, lat, sync)
+    per_msg = 2 * (N - 1) * a + lat + sync
+    per_byte = 2 * (N - 1) / N * nb / b + nb / bw
+    assert comm.forward(nb, N, 8, 2.0) == pytest.approx(8 * per_msg + 2.0 * per_byte, rel=1e-12)
+    assert comm.forward(nb, N, 8) == comm.forward(nb, N, 8, 8.0) == 8 * comm.allreduce(nb, N)
+    assert comm.forward(nb, N, 8, 2.0, in_forward=False) == pytest.approx(8 * (per_msg - sync) + 2.0 * per_byte)
+    assert comm.forward(nb, 1, 8, 2.0) == 0.0
+
+
+def test_partial_plans_in_bench_files_are_predicted_by_units(tmp_path) -> None:
+    """A bench row of a partial-sync plan (8 collectives of 1/4 payload each, vocab-parallel head):
+    check() predicts compute with the head's FLOPs / N plus 8 per-message costs and 2 full payloads,
+    as evaluated here; the same row without comm_units (an older file) counts 8 full payloads."""
+    d = synthetic_bench(128, Link(3e8, 50e-6), seed=4)
+    row = {"plan": "partial:0.25", "dropped": 0, "spd_fraction": 0.0, "allreduces_per_forward": 60,
+           "comm_units": 15.0, "partial": True, "vocab_gather": True, "ttft_ms": 100.0, "decode_ms": 10.0}
+    d["plans"] = [row]
+    cal = cm.Calibration(40e-6, 2e9, 1e-4, cm.ComputeModel(20e9, 0.5e-3), ("x",), 2, 10)
+    (got,) = [r for r in cm.check(cal, [cm.load_bench(write(tmp_path / "p.json", d))]) if r["what"] == "ttft"]
+    cfg, nb = cm.MODELS["smollm2"], 128 * 576 * 4
+    flops = cm.prefill_work(cfg, 2, 128).flops - 2 * 576 * 49152 / 2  # vocab-parallel head on 2 ranks
+    per_msg = 2 * 40e-6 + 50e-6 + 1e-4
+    per_byte = nb / 2e9 + nb / 3e8
+    want = flops / 20e9 + 30 * 0.5e-3 + 60 * per_msg + 15.0 * per_byte
+    assert got["predicted_ms"] == pytest.approx(want * 1e3, rel=1e-12)
+    assert got["allreduces_per_forward"] == 60 and got["comm_units"] == 15.0
+    old = {k: v for k, v in row.items() if k not in ("comm_units", "vocab_gather")}
+    d["plans"] = [old]
+    (got_old,) = [r for r in cm.check(cal, [cm.load_bench(write(tmp_path / "o.json", d))]) if r["what"] == "ttft"]
+    assert got_old["comm_units"] == 60.0  # no comm_units: every collective a full payload
+    assert got_old["predicted_ms"] == pytest.approx((want + 45.0 * per_byte) * 1e3, rel=1e-12)
 
 
 def test_llama2_shapes_and_flops() -> None:
@@ -386,6 +426,57 @@ def test_predict_cli_on_committed_bench_files(tmp_path, capsys) -> None:
     worst = max(abs(_hand_ttft_ms(cal, emul, p["allreduces_per_forward"]) / p["ttft_ms"] - 1) for p in emul["plans"])
     assert res["check"]["summary"]["heldout_ttft"]["max_abs_rel_err"] == pytest.approx(worst, rel=1e-9)
     assert (tmp_path / "cm.md").read_text().count("| ttft |") == 10
+
+
+# ---------------------------------------------------------------------------- the latency bench's bookkeeping
+
+
+class _Counting(SimulatedComm):
+    def __init__(self, tp: int) -> None:
+        super().__init__(tp)
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+def test_latency_bench_runs_each_plan_through_model_for(tiny_llama_dir) -> None:
+    """latency_bench never sets a plan: one simulated model per plan (tp=2, one shared communicator),
+    each keeps its own plan, and the all-reduces issued are exactly 2 x 23 timed ones plus, per run,
+    (decode_tokens + 1) forwards x the plan's collectives_per_forward; barriers: one per timed
+    all-reduce and one per run. Rows carry the plan's facts (JSON keys of old files kept)."""
+    from syncdrop.bench.latency import latency_bench
+    from syncdrop.models.loading import resolve_model
+
+    src = resolve_model(str(tiny_llama_dir))
+    L, h = src.config.num_layers, src.config.hidden_size
+    specs = ["none", "all", "partial:0.5", "partial:0"]
+    comm = _Counting(2)
+    models = {s: simulated_model(src.config, src.reader, 2, parse_plan(s, L), comm=comm) for s in specs}
+    plans = [(s, parse_plan(s, L)) for s in specs]
+    by_plan = {id(p): models[s] for s, p in plans}
+    asked = []
+
+    def model_for(plan):
+        asked.append(plan)
+        return by_plan[id(plan)]
+
+    prompt = torch.randint(0, src.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    res = latency_bench(model_for, plans, prompt, decode_tokens=2, reps=2, warmup=1, progress=False)
+    runs = 3  # warmup + reps
+    assert all(models[s].plan.to_dict() == p.to_dict() for s, p in plans)  # nothing was switched
+    assert comm.calls == 2 * 23 + runs * 3 * sum(p.collectives_per_forward for _, p in plans) == 46 + 9 * 10
+    assert comm.barriers == 2 * 23 + runs * len(plans)
+    assert len(asked) == 1 + runs * len(plans)
+    rows = {r["plan"]: r for r in res["plans"]}
+    assert [(rows[s]["allreduces_per_forward"], rows[s]["comm_units"]) for s in specs] == [(4, 4.0), (2, 2.0),
+                                                                                          (4, 2.0), (0, 0.0)]
+    assert rows["partial:0.5"]["sync_points"][0] == [0, "attn", round(0.5 * h) / h]
+    assert [(rows[s]["ranks_diverge"], rows[s]["vocab_gather"]) for s in ("none", "partial:0")] == [(False, False),
+                                                                                                     (True, True)]
+    assert res["baseline_plan"] == "none"
+    for key in ("spd_fraction", "ttft_ms", "decode_ms", "ideal_saving_ms", "realised_over_ideal", "partial"):
+        assert key in rows["all"], key
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -318,6 +318,49 @@ def test_auto_on_a_fresh_machine(tiny_llama_dir, fresh, capsys) -> None:
         assert str(fresh / "no-such-data") not in (out / f).read_text(), f
 
 
+# ---------------------------------------------------------------- the training corpus (syncdrop train --corpus)
+
+def _books(root: Path, *names: str) -> Path:
+    folder = root / "gutenberg" / "nltk_gutenberg"
+    folder.mkdir(parents=True)
+    for n in names:
+        (folder / n).write_text(f"text of {n}")
+    return root
+
+
+def test_corpus_gutenberg_comes_from_the_data_folder(fresh, monkeypatch) -> None:
+    """``--corpus gutenberg`` (and no --corpus) resolve like ``--dataset wikitext2``: --data-dir, then
+    $SYNCDROP_DATA, then ../shared/data."""
+    shared, env, flag = (_books(fresh / w, "a.txt") for w in ("shared/data", "env", "flag"))
+    monkeypatch.setenv("SYNCDROP_DATA", str(env))
+    assert data_mod.resolve_corpus("gutenberg", str(flag)) == flag / "gutenberg"
+    assert data_mod.resolve_corpus(None, None) == env / "gutenberg"
+    monkeypatch.delenv("SYNCDROP_DATA")
+    assert data_mod.resolve_corpus("gutenberg", None) == shared / "gutenberg"
+
+
+def test_corpus_paths_and_errors_name_the_flag(fresh, tmp_path) -> None:
+    book = tmp_path / "one.txt"
+    book.write_text("a book")
+    assert data_mod.resolve_corpus(str(book), None) == book
+    assert data_mod.resolve_corpus(str(tmp_path), str(fresh / "ignored")) == tmp_path  # a path is a path
+    with pytest.raises(SyncdropError, match=r"--corpus gutenberg: .*no-such-data/gutenberg does not exist; expected "
+                                            r"the data folder .*gutenberg/ with \.txt books"):
+        data_mod.resolve_corpus("gutenberg", None)
+    (fresh / "empty" / "gutenberg").mkdir(parents=True)
+    with pytest.raises(SyncdropError, match=r"--corpus gutenberg: .*holds no \.txt files"):
+        data_mod.resolve_corpus(None, str(fresh / "empty"))
+    with pytest.raises(SyncdropError, match=r"--corpus 'nowhere.txt': no such file or directory; expected 'gutenberg'"):
+        data_mod.resolve_corpus("nowhere.txt", None)
+
+
+def test_train_without_the_gutenberg_folder_fails_fast_naming_corpus(fresh, tmp_path, capsys) -> None:
+    assert main(["train", "--corpus", "gutenberg", "--out", str(tmp_path / "run"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--corpus gutenberg" in err and "does not exist" in err
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------- the needs_data marker
 
 INNER_TESTS = """

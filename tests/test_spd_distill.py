@@ -17,7 +17,7 @@ from syncdrop.models.config import layer_names
 from syncdrop.models.loading import load_dense, resolve_model
 from syncdrop.parallel.executor import simulated_model
 from syncdrop.parallel.launch import launch
-from syncdrop.parallel.sharding import ShardLayout
+from syncdrop.parallel.sharding import ShardLayout, distilled_layouts
 from syncdrop.plan import SyncPlan, parse_plan
 from syncdrop.spd.distill import DistillSettings, _batches, distill
 from syncdrop.spd.head_grouping import group_heads
@@ -209,7 +209,7 @@ def test_distributed_runs_distilled_grouped_dir(tiny_llama_dir, tmp_path) -> Non
     assert launch([str(out), "3", ",".join(plans), "", str(logits)], 3, program=[WORKER]) == 0
     got = load_file(str(logits))
     src = resolve_model(str(out))
-    sim = simulated_model(src.config, src.reader, 3, block_layouts=src.spd.layouts(src.config))
+    sim = simulated_model(src.config, src.reader, 3, block_layouts=distilled_layouts(src.spd, src.config))
     ids = torch.randint(0, src.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
     for spec in plans:
         sim.plan = parse_plan(spec, src.config.num_layers)
@@ -254,8 +254,8 @@ def test_bank_subset_equals_distilling_the_plan(tiny_llama_dir, tmp_path) -> Non
     for n in layer_names(1, src.config):
         assert torch.equal(a.reader.get(n), b.reader.get(n)), n
     x = _windows(src, 2, 16, seed=3)
-    la = simulated_model(src.config, a.reader, 2, a.spd.plan, block_layouts=a.spd.layouts(src.config))(x)
-    lb = simulated_model(src.config, b.reader, 2, b.spd.plan, block_layouts=b.spd.layouts(src.config))(x)
+    la = simulated_model(src.config, a.reader, 2, a.spd.plan, block_layouts=distilled_layouts(a.spd, src.config))(x)
+    lb = simulated_model(src.config, b.reader, 2, b.spd.plan, block_layouts=distilled_layouts(b.spd, src.config))(x)
     assert torch.equal(la, lb)
     with pytest.raises(SyncdropError, match="distilled for tp=2, not tp=3"):
         write_subset(tmp_path / "bad", tmp_path / "bank", plan, str(tiny_llama_dir), 3)

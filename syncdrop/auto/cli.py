@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from syncdrop.cli_args import add_device_args
+
 
 def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -35,6 +37,7 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=7,
                    help="interleaved repetitions per plan in the latency benchmark; medians are reported (default 7)")
     p.add_argument("--data-dir", default=None)
+    add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="run directory (stages cached here; report.html, report.md)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_auto)
@@ -57,7 +60,7 @@ def cmd_auto(args: argparse.Namespace) -> int:
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
-                     args.reps, args.data_dir)
+                     args.reps, args.data_dir, args.device)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
     print(f"chosen: SPD fraction {c['fraction']:g} ({c['variant']}), perplexity {c['ppl']:.3f} "

@@ -72,6 +72,13 @@ class AutoSettings:
     decode_tokens: int = 4
     reps: int = 7
     data_dir: str | None = None
+    device: str = "auto"  # where profile, distillation, perplexity and the bench run (not part of stage keys)
+
+    def runtime(self):
+        """The single-process runtime of the in-process stages (the bench runs `syncdrop bench --launch`)."""
+        from syncdrop.runtime import choose_runtime
+
+        return choose_runtime("simulated", self.device)
 
 
 def _sha(obj: Any) -> str:
@@ -160,10 +167,9 @@ def _windows(source, dataset, seq_len: int, n: int, data_dir: str | None, requir
 
 
 def _profile(s: AutoSettings, root: Path, calib=None) -> dict[str, Any]:
-    from syncdrop.runtime import build
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
 
-    built = build(s.model, s.tp, "none", executor="simulated", progress=False)
+    built = s.runtime().build(s.model, s.tp, "none", progress=False)
     data, w = _windows(built.source, calib or "auto:valid", s.seq_len, s.calib_samples, s.data_dir)
     p = profile_sensitivity(built.model, w, progress=True)
     d = p.to_dict(built.source.name, s.tp, data.info(), model_spec=s.model)
@@ -220,23 +226,21 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
 
 
 def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any], test=None) -> dict[str, Any]:
+    """Test perplexity of every candidate: zero-shot (the base model under the candidate's plan) and
+    distilled (the candidate's ``--model`` directory under its own plan), both built by the runtime."""
     from syncdrop.eval.perplexity import perplexity
-    from syncdrop.models.loading import resolve_model
-    from syncdrop.parallel.executor import simulated_model
     from syncdrop.plan import SyncPlan
 
     dist = json.loads((root / "distill.json").read_text())
-    source = resolve_model(s.model)
-    cfg = source.config
-    data, w = _windows(source, test or "auto", s.seq_len, s.eval_windows, s.data_dir, required=1)
-    base = simulated_model(cfg, source.reader, s.tp)
+    rt = s.runtime()
+    base = rt.build(s.model, s.tp, "none", progress=False)
+    L = base.source.config.num_layers
+    data, w = _windows(base.source, test or "auto", s.seq_len, s.eval_windows, s.data_dir, required=1)
     rows = []
     for key, c in plans["candidates"].items():
-        base.plan = SyncPlan.load(c["path"], cfg.num_layers)
-        zs = perplexity(base, w, progress=False).ppl
-        src = resolve_model(dist["models"][key])
-        m = simulated_model(cfg, src.reader, s.tp, src.spd.plan, block_layouts=src.spd.layouts(cfg))
-        ds = perplexity(m, w, progress=False).ppl if src.spd.blocks else zs
+        zs = perplexity(base.use_plan(SyncPlan.load(c["path"], L)), w, progress=False).ppl
+        cand = rt.build(dist["models"][key], s.tp, None, progress=False)  # the directory's own plan
+        ds = perplexity(cand.model, w, progress=False).ppl if cand.source.spd.blocks else zs
         rows.append({"fraction": c["fraction"], "ppl_zero_shot": zs, "ppl_distilled": ds})
         log.info("spd %.2f: ppl zero-shot %.3f distilled %.3f", c["fraction"], zs, ds)
     dense = next(r["ppl_zero_shot"] for r in rows if r["fraction"] == 0) if any(
@@ -257,7 +261,8 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
 
     paths = [c["path"] for c in sorted(plans["candidates"].values(), key=lambda c: c["fraction"])]
     common = ["--model", s.model, "--tp", str(s.tp), "--launch", "--plans", ",".join(paths), "--prompt-len",
-              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "-q"]
+              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "--device", s.device,
+              "-q"]
     if s.data_dir:
         common += ["--data-dir", s.data_dir]
     noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
@@ -361,7 +366,7 @@ def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any], skip: str | N
     for name, model, p in (("dense", s.model, "none"), ("chosen", chosen, plan)):
         out = root / f"zeroshot_{name}.json"
         args = ["eval", "--model", model, "--tp", str(s.tp), "--tasks", s.zs_tasks, "--limit", str(s.zs_limit),
-                "--json", str(out), "-q"]
+                "--device", s.device, "--json", str(out), "-q"]
         if p is not None:
             args += ["--plan", p]
         if s.data_dir:

@@ -103,14 +103,16 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
           f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
           f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
           "", "## Candidates", "",
-          "| SPD | ppl zero-shot | ppl distilled | best vs dense | TTFT measured ms | TTFT predicted ms |",
-          "|---:|---:|---:|---:|---:|---:|"]
+          "| SPD | all-reduces / forward | ppl zero-shot | ppl distilled | best vs dense | TTFT measured ms "
+          "| TTFT predicted ms |",
+          "|---:|---:|---:|---:|---:|---:|---:|"]
     tl = "user" if link.active else "none"
+    collectives = _collectives(plans)
     for r, cand in zip(rows, sorted(choice["candidates"], key=lambda x: x["fraction"]), strict=True):
         meas = next((x["measured_ms"] for x in b if x["fraction"] == r["fraction"] and x["what"] == "ttft"
                      and x["link"] == tl), None)
-        md.append(f"| {r['fraction']:g} | {r['ppl_zero_shot']:.3f} | {r['ppl_distilled']:.3f} | "
-                  f"{cand['ppl_increase']:+.2%} | {'' if meas is None else f'{meas:.1f}'} | "
+        md.append(f"| {r['fraction']:g} | {collectives.get(r['fraction'], '-')} | {r['ppl_zero_shot']:.3f} | "
+                  f"{r['ppl_distilled']:.3f} | {cand['ppl_increase']:+.2%} | {'' if meas is None else f'{meas:.1f}'} | "
                   f"{cand['predicted_ttft_ms']:.1f} |")
     if "error" in bench["calibration"]:
         md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}); the predicted "
@@ -142,6 +144,21 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
                "report_html": str(root / "report.html"), "provenance": provenance()}
     atomic_write_json(root / "summary.json", summary)
     return summary
+
+
+def _collectives(plans: dict[str, Any]) -> dict[float, int]:
+    """``{fraction: all-reduces per forward}`` of the candidate plans, asked of each saved plan file
+    (:attr:`syncdrop.plan.SyncPlan.collectives_per_forward`); a plan file that cannot be read is left out."""
+    from syncdrop.errors import SyncdropError
+    from syncdrop.plan import SyncPlan
+
+    out = {}
+    for c in plans.get("candidates", {}).values():
+        try:
+            out[c["fraction"]] = SyncPlan.load(c["path"]).collectives_per_forward
+        except (SyncdropError, KeyError, TypeError):
+            continue
+    return out
 
 
 def _data_note(prof: dict[str, Any], ppl: dict[str, Any]) -> list[str]:

@@ -20,7 +20,16 @@ so ``T_ar = T_ring + T_emu``. The payload is ``B * S * h * bytes_per_element`` i
 Sync points: each block all-reduces after attention and after the MLP; an SPD block drops the
 first, so with an SPD fraction ``f`` of ``L`` blocks::
 
-    n_ar = 2 L - round(f L)           (same rounding as the ``frac:F`` plan spec)
+    n_ar = 2 L - round(f L)           (the ``frac:F`` plan's ``collectives_per_forward``)
+
+The counts come from the plan (:class:`~syncdrop.plan.SyncPlan`): ``n_ar`` =
+``collectives_per_forward`` (a partial sync is one collective), ``u`` = ``comm_units(h)`` (the sum of
+the payload fractions, ``k/h`` per partial sync). Since ``T_ar`` is affine in the payload, a forward's
+collectives cost ``n_ar * T_ar(0) + u * (T_ar(n) - T_ar(0))`` (:meth:`CommModel.forward`), which is
+``n_ar * T_ar(n)`` when no sync is partial (``u = n_ar``). A bench file states both per plan
+(``allreduces_per_forward``, ``comm_units``; files without ``comm_units`` have no partial plans).
+Plans with partial syncs have a vocab-parallel LM head (``vocab_gather``, or ``partial`` in older
+files): its FLOPs are divided by ``N``; the logits all-gather itself is not modelled.
 
 Compute (FLOPs of the *slowest* rank; a multiply-add = 2 FLOPs; ``q, kv`` = that rank's query and
 KV heads, ``I_r`` its MLP channels, ``d`` = head dim, ``B`` sequences)::
@@ -71,6 +80,7 @@ from typing import Any
 
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
+from syncdrop.plan import SyncPlan, parse_plan
 
 # --------------------------------------------------------------------------------------------
 # Architectures
@@ -156,6 +166,18 @@ class CommModel:
         """One sync point of a forward: ``T_ring + T_emu + sync_s`` (0 for one rank)."""
         return self.collective(n_bytes, n_ranks) + (self.sync_s if n_ranks > 1 else 0.0)
 
+    def forward(self, n_bytes: float, n_ranks: int, collectives: int, units: float | None = None,
+                in_forward: bool = True) -> float:
+        """The collectives of one forward: ``collectives`` sync points whose payloads sum to ``units``
+        full payloads of ``n_bytes`` (default ``units = collectives``: none partial). ``T_ar`` is
+        affine in bytes, so this is ``collectives * T(0) + units * (T(n) - T(0))`` with ``T`` =
+        :meth:`allreduce` (or :meth:`collective`, without the per-sync cost, when not ``in_forward``)."""
+        t = self.allreduce if in_forward else self.collective
+        if units is None or units == collectives:
+            return collectives * t(n_bytes, n_ranks)
+        fixed = t(0.0, n_ranks)
+        return collectives * fixed + units * (t(n_bytes, n_ranks) - fixed)
+
     def with_emulation(self, bandwidth: float | None, latency: float) -> CommModel:
         return dataclasses.replace(self, emu_bandwidth=bandwidth, emu_latency=latency)
 
@@ -164,11 +186,18 @@ class CommModel:
 # Compute
 
 
-def allreduces_per_forward(num_layers: int, spd_fraction: float) -> int:
-    """``2 L - round(f L)``: two sync points per block, one fewer per SPD block."""
+def spd_plan(num_layers: int, spd_fraction: float) -> SyncPlan:
+    """The ``frac:F`` plan for ``F = spd_fraction``: the last ``round(F L)`` blocks drop their
+    attention sync (what the cluster prediction evaluates)."""
     if not 0 <= spd_fraction <= 1:
         raise SyncdropError(f"SPD fraction must be between 0 and 1, got {spd_fraction}")
-    return 2 * num_layers - round(spd_fraction * num_layers)
+    return parse_plan(f"frac:{spd_fraction!r}", num_layers)
+
+
+def allreduces_per_forward(num_layers: int, spd_fraction: float) -> int:
+    """``2 L - round(f L)``: the ``frac:F`` plan's :attr:`~syncdrop.plan.SyncPlan.collectives_per_forward`
+    (two sync points per block, one fewer per SPD block)."""
+    return spd_plan(num_layers, spd_fraction).collectives_per_forward
 
 
 @dataclass(frozen=True)
@@ -261,19 +290,23 @@ class ComputeModel:
 
 
 def predict_ttft(cfg: ModelConfig, n_ranks: int, seq: int, n_allreduce: int, compute: ComputeModel,
-                 comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False) -> float:
-    """Seconds to first token: prefill compute + ``n_allreduce`` all-reduces of ``(B*S, h)``."""
+                 comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False,
+                 comm_units: float | None = None) -> float:
+    """Seconds to first token: prefill compute + ``n_allreduce`` all-reduces of ``(B*S, h)`` whose
+    payloads sum to ``comm_units`` full ones (default: ``n_allreduce``, no partial sync)."""
     work = prefill_work(cfg, n_ranks, seq, batch, dtype_bytes, lm_head_parallel)
     payload = batch * seq * cfg.hidden_size * dtype_bytes
-    return compute.time(work) + n_allreduce * comm.allreduce(payload, n_ranks)
+    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units)
 
 
 def predict_decode(cfg: ModelConfig, n_ranks: int, context: int, n_allreduce: int, compute: ComputeModel,
-                   comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False) -> float:
-    """Seconds per decode step at ``context`` keys: compute + ``n_allreduce`` all-reduces of ``(B, h)``."""
+                   comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False,
+                   comm_units: float | None = None) -> float:
+    """Seconds per decode step at ``context`` keys: compute + ``n_allreduce`` all-reduces of ``(B, h)``
+    whose payloads sum to ``comm_units`` full ones (default: ``n_allreduce``)."""
     work = decode_work(cfg, n_ranks, context, batch, dtype_bytes, lm_head_parallel)
     payload = batch * cfg.hidden_size * dtype_bytes
-    return compute.time(work) + n_allreduce * comm.allreduce(payload, n_ranks)
+    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +331,8 @@ class BenchRun:
     emu_latency: float
     threads_per_rank: int | None
     allreduce: dict[str, tuple[int, float]]  # phase -> (bytes, median seconds)
-    plans: list[dict[str, Any]]  # plan, spd_fraction, allreduces_per_forward, ttft_s, decode_s
+    # per plan: plan, spd_fraction, allreduces_per_forward, comm_units, vocab_gather, ttft_s, decode_s
+    plans: list[dict[str, Any]]
 
     @property
     def emulated(self) -> bool:
@@ -333,6 +367,8 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
               for ph in ("prefill", "decode")}
         plans = [{"plan": str(r["plan"]), "spd_fraction": float(r["spd_fraction"]),
                   "allreduces_per_forward": int(r["allreduces_per_forward"]),
+                  "comm_units": float(r.get("comm_units", r["allreduces_per_forward"])),
+                  "vocab_gather": bool(r.get("vocab_gather", r.get("partial", False))),
                   "ttft_s": float(r["ttft_ms"]) / 1e3, "decode_s": float(r["decode_ms"]) / 1e3}
                  for r in d["plans"]]
         link = s.get("link") or {}
@@ -405,12 +441,19 @@ def fit_alpha_beta(points: list[tuple[float, int, float]]) -> tuple[float, float
 
 @dataclass(frozen=True)
 class ComputePoint:
-    """One measured forward: its work, its sync points, the ring time of one of them, the seconds."""
+    """One measured forward: its work, its sync points, the ring time of one full-payload one, the
+    seconds; ``comm_s``: the ring time of all its collectives when some are partial (default
+    ``n_allreduce * ring_s``)."""
 
     work: Work
     n_allreduce: int
     ring_s: float
     measured_s: float
+    comm_s: float | None = None
+
+    @property
+    def ring_total_s(self) -> float:
+        return self.n_allreduce * self.ring_s if self.comm_s is None else self.comm_s
 
 
 def fit_compute(points: list[ComputePoint], fit_overhead: bool = True,
@@ -430,7 +473,7 @@ def fit_compute(points: list[ComputePoint], fit_overhead: bool = True,
     use_s = fit_sync and len({p.n_allreduce for p in pts}) > 1
     X = [[p.work.flops / p.measured_s, (p.work.layers if use_o else 0.0) / p.measured_s,
           (p.n_allreduce if use_s else 0.0) / p.measured_s] for p in pts]
-    y = [(p.measured_s - p.n_allreduce * p.ring_s) / p.measured_s for p in pts]
+    y = [(p.measured_s - p.ring_total_s) / p.measured_s for p in pts]
     inv_f, o, sync = _nnls(X, y)
     if inv_f <= 0:
         raise SyncdropError("--calibrate: could not fit a positive compute rate (all-reduces explain "
@@ -476,15 +519,17 @@ def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = 
     comm = CommModel(alpha, beta)
     pts: list[ComputePoint] = []
     for r in runs:
-        pre = prefill_work(r.cfg, r.tp, r.prompt_len, r.batch, r.dtype_bytes)
-        dec = decode_work(r.cfg, r.tp, round(r.decode_context), r.batch, r.dtype_bytes)
-        t_pre = comm.collective(r.batch * r.prompt_len * r.cfg.hidden_size * r.dtype_bytes, r.tp)
-        t_dec = comm.collective(r.batch * r.cfg.hidden_size * r.dtype_bytes, r.tp)
+        b_pre = r.batch * r.prompt_len * r.cfg.hidden_size * r.dtype_bytes
+        b_dec = r.batch * r.cfg.hidden_size * r.dtype_bytes
+        t_pre, t_dec = comm.collective(b_pre, r.tp), comm.collective(b_dec, r.tp)
         for p in r.plans:
-            n = p["allreduces_per_forward"]
-            pts.append(ComputePoint(pre, n, t_pre, p["ttft_s"]))
+            n, u, vp = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"]
+            pre = prefill_work(r.cfg, r.tp, r.prompt_len, r.batch, r.dtype_bytes, vp)
+            pts.append(ComputePoint(pre, n, t_pre, p["ttft_s"], comm.forward(b_pre, r.tp, n, u, in_forward=False)))
             if use_decode and r.decode_tokens >= 1:
-                pts.append(ComputePoint(dec, n, t_dec, p["decode_s"]))
+                dec = decode_work(r.cfg, r.tp, round(r.decode_context), r.batch, r.dtype_bytes, vp)
+                pts.append(ComputePoint(dec, n, t_dec, p["decode_s"],
+                                        comm.forward(b_dec, r.tp, n, u, in_forward=False)))
     compute, sync = fit_compute(pts, fit_overhead, fit_sync)
     return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts))
 
@@ -501,12 +546,14 @@ def check(cal: Calibration, runs: list[BenchRun]) -> list[dict[str, Any]]:
                          "measured_ms": t * 1e3, "predicted_ms": pred * 1e3, "rel_err": pred / t - 1,
                          "calibration": r.path in cal.files})
         for p in r.plans:
-            n = p["allreduces_per_forward"]
-            ttft = predict_ttft(r.cfg, r.tp, r.prompt_len, n, cal.compute, comm, r.batch, r.dtype_bytes)
-            dec = predict_decode(r.cfg, r.tp, round(r.decode_context), n, cal.compute, comm, r.batch, r.dtype_bytes)
+            n, u, vp = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"]
+            ttft = predict_ttft(r.cfg, r.tp, r.prompt_len, n, cal.compute, comm, r.batch, r.dtype_bytes, vp, u)
+            dec = predict_decode(r.cfg, r.tp, round(r.decode_context), n, cal.compute, comm, r.batch, r.dtype_bytes,
+                                 vp, u)
             for what, pred, meas in (("ttft", ttft, p["ttft_s"]), ("decode", dec, p["decode_s"])):
                 rows.append({"file": r.path, "link": r.link_label, "prompt_len": r.prompt_len, "what": what,
                              "plan": p["plan"], "spd_fraction": p["spd_fraction"], "allreduces_per_forward": n,
+                             "comm_units": u,
                              "measured_ms": meas * 1e3, "predicted_ms": pred * 1e3, "rel_err": pred / meas - 1,
                              "calibration": r.path in cal.files})
     return rows
@@ -584,7 +631,7 @@ def cluster_predict(cfg: ModelConfig, gpus: int, links: list[ClusterLink], promp
             pre_w = prefill_work(cfg, gpus, S, batch, spec.dtype_bytes, lm_head_parallel=True)
             dec_w = decode_work(cfg, gpus, ctx, batch, spec.dtype_bytes, lm_head_parallel=True)
             for f in fractions:
-                n = allreduces_per_forward(cfg.num_layers, f)
+                n = spd_plan(cfg.num_layers, f).collectives_per_forward
                 ttft = predict_ttft(cfg, gpus, S, n, compute, comm, batch, spec.dtype_bytes, True)
                 dec = predict_decode(cfg, gpus, ctx, n, compute, comm, batch, spec.dtype_bytes, True)
                 e2e = ttft + max(gen_tokens - 1, 0) * dec
@@ -620,7 +667,8 @@ def paper_comparison(rows: list[dict[str, Any]], num_layers: int = 80) -> list[d
         return []
     best = min({r["beta_Bps"] for r in rows}, key=lambda b: abs(math.log(b / PAPER_POINT["link_Bps"])))
     f = PAPER_POINT["spd_fraction"]
-    removed = round(f * num_layers) / (2 * num_layers)
+    dense, spd = (spd_plan(num_layers, x).collectives_per_forward for x in (0.0, f))
+    removed = (dense - spd) / dense  # fraction of the sync points the plan drops: 56 / 160 for 70B
     out = []
     for r in rows:
         if r["beta_Bps"] == best and abs(r["spd_fraction"] - f) < 1e-9:

@@ -98,10 +98,11 @@ class EmulatedLinkComm(CommWrapper):
         self.waited_s += d
 
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Vocab-parallel logits gather (partial-sync plans), delayed like an all-reduce of one rank's slice."""
+        """Vocab-parallel logits gather (partial-sync plans), delayed by the payload one rank sends: its
+        slice padded to the largest, ``rows x max(sizes)`` elements (what :class:`DistComm` gathers)."""
         out = self.inner.all_gather_last(x, sizes)
-        local = max(1, len(sizes) if x.shape[-1] == sum(sizes) else 1)  # the simulation holds every rank's slice
-        self._delay(out, x.numel() * x.element_size() // local)
+        rows = x.numel() // max(1, x.shape[-1])  # (..., n) -> rows of the gathered matrix
+        self._delay(out, rows * max(sizes) * x.element_size())
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,15 @@ def _drop(reduction: float) -> str:
     return f"{(0.0 if abs(v) < 0.05 else v):+.1f}%"
 
 
+def _collectives_cell(row: dict[str, Any]) -> str:
+    """The ``AR/fwd`` cell of a check row: the plan's all-reduces per forward, and its payload in
+    full-all-reduce units when some syncs are partial (``8 (2.0 units)``)."""
+    n, u = row["allreduces_per_forward"], row.get("comm_units")
+    if n is None:
+        return "-"
+    return str(n) if u is None or u == n else f"{n} ({u:.1f} units)"
+
+
 def _check_markdown(cal: cm.Calibration, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     c = cal.compute
     lines = ["## Calibration (runs without link emulation)", "",
@@ -117,7 +126,7 @@ def _check_markdown(cal: cm.Calibration, rows: list[dict[str, Any]], summary: di
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         spd = "-" if r["spd_fraction"] is None else f"{r['spd_fraction']:.0%}"
-        n = "-" if r["allreduces_per_forward"] is None else str(r["allreduces_per_forward"])
+        n = _collectives_cell(r)
         tag = " (fit)" if r["calibration"] else ""
         lines.append(f"| {r['link']}{tag} | {r['prompt_len']} | {r['what']} | {r['plan']} | {spd} | {n} | "
                      f"{r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {_pct(r['rel_err'])} |")

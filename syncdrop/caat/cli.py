@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
+from syncdrop.cli_args import add_device_args, add_timeout_arg, check_launch_devices
 from syncdrop.errors import SyncdropError
 
 
@@ -32,8 +32,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="ablation: do not scale private channels by sqrt(N)")
     p.add_argument("--out", required=True, help="run directory (checkpoint, tokenizer, exported model)")
     p.add_argument("--json", default=None, help="also write the result JSON here (train_loss, val_loss lists)")
-    p.add_argument("--launch", action="store_true", help="start --tp worker processes (gloo on CPU) and train there")
-    p.add_argument("--dist-timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)")
+    add_device_args(p)
+    p.add_argument("--launch", action="store_true", help="start --tp worker processes and train there")
+    add_timeout_arg(p, 120.0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_train, launch_func=launch_train)
     return p
@@ -54,27 +55,21 @@ def launch_train(args: argparse.Namespace, argv: list[str]) -> int:
     s = _settings(args)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    check_launch_devices(args.device, args.backend, s.tp)
     return launch([a for a in argv if a != "--launch"], s.tp, grace_s=min(args.dist_timeout, 30.0))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from syncdrop.caat.train import train
-    from syncdrop.eval.data import data_dir
+    from syncdrop.cli_args import runtime_from_args
+    from syncdrop.eval.data import resolve_corpus
     from syncdrop.io_utils import atomic_write_json
-    from syncdrop.parallel import dist
 
     s = _settings(args)
-    corpus = args.corpus or str(data_dir(args.data_dir) / "gutenberg")
-    if args.corpus is None and not Path(corpus).is_dir():
-        raise SyncdropError("--corpus: not given, and the data folder ($SYNCDROP_DATA, --data-dir or ../shared/data) "
-                            "has no gutenberg/ folder; pass --corpus DIR (a folder of .txt books) or FILE.txt")
-    ctx = None
-    if dist.launched_by_torchrun():
-        ctx = dist.init(args.dist_timeout)
-        if ctx.world != s.tp:
-            raise SyncdropError(f"--tp {s.tp} but the job has {ctx.world} ranks")
-    res = train(s, corpus, args.out, progress=not args.quiet, dist_ctx=ctx)
-    if ctx is None or ctx.is_main:
+    corpus = str(resolve_corpus(args.corpus, args.data_dir))
+    runtime = runtime_from_args(args)  # training runs in float32
+    res = train(s, corpus, args.out, progress=not args.quiet, runtime=runtime)
+    if runtime.start() is None or runtime.start().is_main:
         if args.json:
             atomic_write_json(args.json, res)
         print(f"trained {s.steps} steps at tp={s.tp}, p={s.sync_fraction:g}: final val loss "

@@ -62,7 +62,8 @@ def _save(ckpt: Path, params, opt, state: dict[str, Any]) -> None:
 
     ckpt.mkdir(parents=True, exist_ok=True)
     meta = {"step": str(state["step"])}
-    atomic_write_bytes(ckpt / "params.safetensors", save({k: v.detach() for k, v in params.items()}, metadata=meta))
+    tensors = {k: v.detach().cpu() for k, v in params.items()}  # one copy to the host per checkpoint
+    atomic_write_bytes(ckpt / "params.safetensors", save(tensors, metadata=meta))
     buf = io.BytesIO()
     torch.save({"step": state["step"], "optim": opt.state_dict()}, buf)
     atomic_write_bytes(ckpt / "optim.pt", buf.getvalue())
@@ -84,21 +85,28 @@ def _load(ckpt: Path, settings: dict, params, opt) -> dict[str, Any] | None:
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(sf.get_tensor(k))
-    o = torch.load(ckpt / "optim.pt", weights_only=True)
+    device = next(iter(params.values())).device
+    o = torch.load(ckpt / "optim.pt", weights_only=True, map_location=device)
     if o["step"] != state["step"]:
         raise SyncdropError(f"{ckpt}: optim.pt and state.json disagree on the step; delete it")
     opt.load_state_dict(o["optim"])
     return state
 
 
-def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = True, dist_ctx=None) -> dict[str, Any]:
-    """Run (or resume) a training run; returns the result dict (also written to ``OUT/train.json``)."""
+def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = True, runtime=None) -> dict[str, Any]:
+    """Run (or resume) a training run on ``runtime`` (a :class:`syncdrop.runtime.Runtime`; default:
+    the simulated executor on the CPU); returns the result dict (also written to ``OUT/train.json``).
+    Parameters, batches and optimizer state live on the runtime's device; initialisation and batch
+    offsets are drawn on the host from seeded generators, so a run is the same on every device."""
     from tqdm import tqdm
 
     from syncdrop.io_utils import atomic_write_json, provenance
-    from syncdrop.parallel.comm import SimulatedComm
+    from syncdrop.runtime import choose_runtime
 
     s.check()
+    runtime = runtime or choose_runtime("simulated", "cpu")
+    dist_ctx = runtime.start()
+    device = runtime.device
     out = Path(out_dir)
     main = dist_ctx is None or dist_ctx.is_main
     settings = {**asdict(s), "corpus": str(Path(corpus).resolve())}
@@ -108,30 +116,26 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     if main and not (tok_dir / "tokenizer.json").exists():
         tok = train_tokenizer(data.train_text, s.vocab_size)
         tok.save_pretrained(str(tok_dir))
-    if dist_ctx is not None:
-        from syncdrop.parallel.dist import barrier
-
-        barrier()  # every rank reads rank 0's tokenizer
+    comm = runtime.communicator(s.tp)
+    comm.barrier()  # every rank reads rank 0's tokenizer
     if tok is None:
         from transformers import PreTrainedTokenizerFast
 
         tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     train_ids, val_ids = token_stream(tok, data.train_text), token_stream(tok, data.val_text)
-    vw = val_windows(val_ids, s.seq_len, s.val_windows)
+    vw = val_windows(val_ids, s.seq_len, s.val_windows).to(device)
     cfg = llama_config(len(tok), s.hidden, s.layers, s.heads, s.kv_heads, s.ffn, s.seq_len)
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = type(cfg)(**{**cfg.to_dict(), "bos_token_id": eot, "eos_token_id": eot})
     check_tp(cfg, s.tp)
     layout = ShardLayout.build(cfg, s.tp)
     plan = SyncPlan.partial(cfg.num_layers, s.sync_fraction, s.scale, s.mask)
-    if dist_ctx is None:
-        comm, ranks = SimulatedComm(s.tp), list(range(s.tp))
-    else:
+    ranks = runtime.local_ranks(s.tp)
+    if dist_ctx is not None:  # torch.distributed collectives are not differentiable by themselves
         from syncdrop.caat.grad_comm import GradComm
-        from syncdrop.parallel.dist import DistComm
 
-        comm, ranks = GradComm(DistComm(s.tp), dist_ctx.rank), [dist_ctx.rank]
-    params = {k: v.requires_grad_(True) for k, v in init_params(cfg, s.seed).items()}
+        comm = GradComm(comm, dist_ctx.rank)
+    params = {k: v.to(device).requires_grad_(True) for k, v in init_params(cfg, s.seed).items()}
     opt = _optimizer(params, s)
     state = _load(out / "checkpoint", settings, params, opt) or {
         "step": 0, "settings": settings, "train_loss": [], "val_loss": [], "tokens_per_s": []}
@@ -152,7 +156,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s)
-        batch = train_batch(train_ids, s.batch, s.seq_len, s.seed, step)
+        batch = train_batch(train_ids, s.batch, s.seq_len, s.seed, step).to(device)
         loss = lm_loss(tp_forward(params, cfg, layout, plan, comm, ranks, batch[:, :-1]), batch[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -34,7 +34,7 @@ LM_EVAL_BOOTSTRAP_ITERS = 100000  # lm-eval's default (bootstrap stderr of perpl
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on ``subparsers`` (from ``add_subparsers``)."""
-    from syncdrop.cli import _add_model_args
+    from syncdrop.cli_args import add_model_args
     from syncdrop.eval.tasks import DEFAULT_TASKS
 
     p = subparsers.add_parser(
@@ -43,7 +43,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                     "(prompts, metrics, group aggregation), reading the local data folder instead of the hub. "
                     "With --launch / torchrun every rank runs the same requests (tensor parallelism); rank 0 "
                     "prints and writes the results.")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help=f"comma-separated tasks (default {','.join(DEFAULT_TASKS)}); also mmlu_stem, "
                         "mmlu_humanities, mmlu_social_sciences, mmlu_other, mmlu_<subject>, ai2_arc")
@@ -76,19 +76,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise SyncdropError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     names = local_tasks.parse_tasks(args.tasks)
     data = local_tasks.resolve_task_data(names, args.data_dir)  # fail fast, before loading the model
-    from syncdrop.cli import _build
+    from syncdrop.cli_args import build_from_args
     from syncdrop.eval.harness import SyncdropLM
 
-    built = _build(args, progress=not args.quiet)
+    built = build_from_args(args, progress=not args.quiet)
     lm = SyncdropLM(built=built, batch_size=args.batch_size, max_length=args.max_length, progress=not args.quiet)
     t0 = time.perf_counter()
     raw = evaluate(lm, names, data, args.limit, args.bootstrap_iters if built.is_main else 0, quiet=args.quiet)
     elapsed = time.perf_counter() - t0
+    memory = built.memory()
     if not built.is_main or raw is None:
         return 0
     from lm_eval.utils import make_table
 
-    runtime = "distributed" if built.dist else ("hf" if args.executor == "hf" else "simulated")
+    runtime = built.runtime.executor
     print(f"{built.source.name} tp={args.tp} ({runtime}) plan={built.plan.summary()}, zero-shot, "
           f"limit {args.limit}, {lm.forwards} forwards, {elapsed:.1f}s")
     print(make_table(raw))
@@ -97,7 +98,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         from syncdrop.io_utils import atomic_write_json
 
-        atomic_write_json(args.json, report(raw, built, args, data, elapsed, lm, names))
+        atomic_write_json(args.json, report(raw, built, args, data, elapsed, lm, names, memory))
     return 0
 
 
@@ -133,7 +134,7 @@ def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(raw: dict[str, Any], built: Any, args: argparse.Namespace, data: Any, elapsed: float,
-           lm: Any, names: list[str] | None = None) -> dict[str, Any]:
+           lm: Any, names: list[str] | None = None, memory: dict[str, Any] | None = None) -> dict[str, Any]:
     import lm_eval
 
     from syncdrop.eval.tasks import TaskData, data_record
@@ -148,17 +149,18 @@ def report(raw: dict[str, Any], built: Any, args: argparse.Namespace, data: Any,
     for section in ("results", "groups"):
         for task, metrics in raw.get(section, {}).items():
             results[task] = {**clean_metrics(metrics), **({"n": n[task]} if task in n else {})}
-    runtime = "distributed" if built.dist else ("hf" if args.executor == "hf" else "simulated")
+    runtime = built.runtime.executor
     settings = {
         "model": built.source.name, "model_spec": args.model, "tp": args.tp, "plan": built.plan.to_dict(),
         "plan_summary": built.plan.summary(), "executor": runtime, "dtype": args.dtype,
+        "device": str(built.runtime.device), "backend": built.runtime.backend,
         "tasks": args.tasks.split(","), "limit": args.limit, "num_fewshot": 0, "batch_size": args.batch_size,
         "max_length": lm.max_length, "data": data_record(names, data, raw.get("configs")),
         "bootstrap_iters": args.bootstrap_iters,
         "lm_eval": lm_eval.__version__, "forwards": lm.forwards,
     }
     return {"results": results, "groups": raw.get("group_subtasks", {}), "settings": settings,
-            "versions": raw.get("versions", {}), "elapsed_s": elapsed, "memory": built.memory,
+            "versions": raw.get("versions", {}), "elapsed_s": elapsed, "memory": memory,
             "provenance": provenance()}
 
 

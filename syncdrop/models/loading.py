@@ -7,7 +7,7 @@ Accepted model specs, tried in this order:
 2. a path to a ``.gguf`` file of a ``llama`` or ``qwen2`` architecture model (Mistral GGUFs are
    ``llama``);
 3. a directory written by ``syncdrop distill`` (``syncdrop.json``: a base model spec plus distilled
-   blocks, see :mod:`syncdrop.spd.checkpoint`); the source then carries ``spd``, the manifest with
+   blocks, see :mod:`syncdrop.models.distilled`); the source then carries ``spd``, the manifest with
    the plan and TP degree the blocks were distilled for;
 4. a transformers checkpoint directory (``config.json`` + safetensors), or a hub id that
    ``huggingface_hub.snapshot_download`` can fetch (Llama, Mistral, Qwen2, OPT).
@@ -29,6 +29,7 @@ import torch
 
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig, model_names
+from syncdrop.models.distilled import MANIFEST, OverlayCheckpoint, SPDCheckpoint, load_checkpoint
 from syncdrop.models.gguf_reader import GGUFCheckpoint
 from syncdrop.models.hf_reader import HFCheckpoint
 
@@ -71,7 +72,6 @@ class CheckpointReader(Protocol):
         ...
 
 
-@dataclass
 @dataclass(frozen=True)
 class TrainedWith:
     """How a ``syncdrop train`` export was trained: ``plan.json`` beside its ``config.json`` and the
@@ -92,7 +92,7 @@ class ModelSource:
     path: str  # the .gguf file or the checkpoint directory
     config: ModelConfig
     reader: CheckpointReader
-    spd: Any = None  # syncdrop.spd.checkpoint.SPDCheckpoint for a `syncdrop distill` directory
+    spd: SPDCheckpoint | None = None  # the manifest of a `syncdrop distill` directory
     trained: TrainedWith | None = None  # the sync plan a `syncdrop train` export was trained with
     _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -169,7 +169,7 @@ def resolve_model(spec: str) -> ModelSource:
                                 "transformers checkpoint directory)")
         name = _display_name(os.path.splitext(os.path.basename(path))[0])
         return _checked(ModelSource(spec, name, "gguf", os.path.abspath(path), *_open(GGUFCheckpoint, path)))
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "syncdrop.json")):
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST)):
         return _spd_checkpoint(spec, os.path.abspath(path))
     if os.path.isdir(path):
         path = os.path.abspath(path)
@@ -202,8 +202,6 @@ def _trained_with(path: str, cfg: ModelConfig) -> TrainedWith | None:
 def _spd_checkpoint(spec: str, path: str) -> ModelSource:
     """A ``syncdrop distill`` directory: its base model with the distilled blocks laid over it."""
     import dataclasses
-
-    from syncdrop.spd.checkpoint import OverlayCheckpoint, load_checkpoint
 
     ckpt = load_checkpoint(path)
     if os.path.abspath(os.path.expanduser(ckpt.base_model)) == path:

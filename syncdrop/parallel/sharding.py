@@ -17,7 +17,12 @@ The one rule used for every TP degree N (this is the only place it is written):
   ``ffn_order`` permutation is given.
 
 Example, SmolLM2 (9 heads, 3 KV heads, group 3) at N=2: rank 0 owns q heads 0-4 and KV heads
-{0, 1}; rank 1 owns q heads 5-8 and KV heads {1, 2}; KV head 1 is replicated.
+{0, 1}; rank 1 owns q heads 5-8 and KV heads {1, 2}; KV head 1 is replicated. That layout is
+syncdrop's own: Megatron-LM and vLLM require N to divide the head count and cannot serve it; a split
+by KV group (6 + 3 q heads) is another layout, which this rule does not build.
+
+:func:`distilled_layouts` turns the head-grouping permutations of a ``syncdrop distill`` directory
+(:mod:`syncdrop.models.distilled`) into per-block layouts.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
+from syncdrop.models.distilled import SPDCheckpoint
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,24 @@ class ShardLayout:
         parts = [f"rank {i}: q{list(r.q_heads)} kv{list(r.kv_heads)} ffn[{len(r.ffn)}]"
                  for i, r in enumerate(self.ranks)]
         return "; ".join(parts)
+
+
+def distilled_layouts(spd: SPDCheckpoint, cfg: ModelConfig) -> dict[int, ShardLayout]:
+    """``{block: ShardLayout}`` of a ``syncdrop distill`` directory's blocks that carry a head-grouping
+    permutation (``head_order`` and/or ``ffn_order`` in the manifest), built for the degree ``spd.tp``
+    the blocks were distilled for; blocks without one keep the default layout and are left out.
+
+    A permutation that does not fit ``cfg`` (not a permutation of its heads / MLP channels) raises a
+    :class:`SyncdropError` naming the directory and the block.
+    """
+    out = {}
+    for i, b in spd.blocks.items():
+        if b.get("head_order") is not None or b.get("ffn_order") is not None:
+            try:
+                out[i] = ShardLayout.build(cfg, spd.tp, b.get("head_order"), b.get("ffn_order"))
+            except ValueError as e:
+                raise SyncdropError(f"model {spd.path}: block {i}: {e}") from e
+    return out
 
 
 def head_rows(heads: Sequence[int], head_dim: int) -> torch.Tensor:

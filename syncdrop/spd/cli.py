@@ -14,6 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
+from syncdrop.cli_args import add_device_args
 from syncdrop.errors import SyncdropError
 
 
@@ -35,6 +36,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="profile JSON to write (e.g. profile.json)")
     p.add_argument("--png", default=None, help="bar chart of the sensitivities (default: --out with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the bar chart")
@@ -44,10 +46,11 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from syncdrop.cli_args import runtime_from_args
     from syncdrop.eval.data import load_text
     from syncdrop.eval.perplexity import text_windows
     from syncdrop.io_utils import atomic_write_json
-    from syncdrop.runtime import build
+    from syncdrop.models.loading import resolve_model
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
 
     if args.tp < 2:
@@ -59,7 +62,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
     data = load_text(args.calib, args.data_dir)  # fail fast before loading the model
-    built = build(args.model, args.tp, "none", args.dtype, executor="simulated", progress=not args.quiet)
+    spd = resolve_model(args.model).spd
+    if spd is not None:
+        raise SyncdropError(f"--model {args.model} is a `syncdrop distill` directory; profile measures the zero-shot "
+                            f"sensitivity of a base model: pass its base model, {spd.base_model}")
+    built = runtime_from_args(args, executor="simulated").build(args.model, args.tp, "none", progress=not args.quiet)
     windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, args.samples,
                            f"--calib {args.calib} (for --samples {args.samples})")
     prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet)
@@ -168,6 +175,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--last-epoch", action="store_true",
                    help="keep the last epoch's weights (default: the epoch with the lowest held-out loss, "
                         "the original weights included)")
+    add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_distill)
