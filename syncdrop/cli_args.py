@@ -64,8 +64,10 @@ def add_model_args(p: argparse.ArgumentParser, distributed: bool = True) -> None
                    help="distributed: all-gather partials and sum in rank order (bitwise equal to the "
                         "simulation, N/2 x the traffic of a ring all-reduce)")
     p.add_argument("--link-bandwidth", default=None,
-                   help="emulate a slow link: each all-reduce waits payload/bandwidth extra (e.g. 1GB/s)")
-    p.add_argument("--link-latency", default=None, help="emulated per-collective latency (e.g. 50us)")
+                   help="emulate a slow link (e.g. 1GB/s): each collective waits what a ring over the "
+                        "ranks costs on it, 2(N-1)/N x bytes / bandwidth per all-reduce")
+    p.add_argument("--link-latency", default=None,
+                   help="emulated per-step latency of that ring (e.g. 50us): 2(N-1) steps per all-reduce")
     add_timeout_arg(p)
 
 

@@ -337,14 +337,15 @@ def waits(monkeypatch) -> list[float]:
                                                             ("8Mbit/s", 1e6, "1ms", 1e-3),
                                                             ("1MiB/s", 2**20, "0", 0.0)])
 @pytest.mark.parametrize("plan, syncs, channels", [("none", 4, 48), ("blocks:1", 3, 48), ("partial:0.5", 4, 24)])
-def test_link_emulation_waits_latency_plus_payload_over_bandwidth(tiny_llama_dir, text_file, tmp_path, waits,
+def test_link_emulation_waits_a_ring_on_the_link(tiny_llama_dir, text_file, tmp_path, waits,
                                                                   bandwidth, bps, latency, lat_s, plan, syncs,
                                                                   channels) -> None:
     """ppl with --link-bandwidth/--link-latency at tp 3: 3 windows of 16 in batches of 2 are two
-    forwards of 2 x 16 and 1 x 16 tokens; each of its all-reduces waits latency + (one rank's payload:
-    tokens x channels x 4 bytes) / bandwidth, with channels = 48, or 24 under partial sync p = 0.5. A
-    partial plan's vocab-parallel head then gathers the logits of the 15 scored positions of each window:
-    one rank's slice padded to the largest, ceil(V / 3) columns."""
+    forwards of 2 x 16 and 1 x 16 tokens; each of its all-reduces waits what a ring of N = 3 ranks costs,
+    2 (N-1) latency + 2 (N-1)/N x (one rank's payload: tokens x channels x 4 bytes) / bandwidth, with
+    channels = 48, or 24 under partial sync p = 0.5. A partial plan's vocab-parallel head then all-gathers
+    the logits of the 15 scored positions of each window, N slices padded to the largest (ceil(V / 3)
+    columns): (N-1) latency + (N-1)/N x gathered bytes / bandwidth."""
     res = run_ppl(tiny_llama_dir, tmp_path, "--tp", "3", "--plan", plan, "--dataset", str(text_file),
                   "--link-bandwidth", bandwidth, "--link-latency", latency)
     assert res["windows"] == 3
@@ -352,14 +353,15 @@ def test_link_emulation_waits_latency_plus_payload_over_bandwidth(tiny_llama_dir
     partial = plan.startswith("partial")
     expected = []
     for tokens, rows in ((2 * 16, 2 * 15), (16, 15)):  # one forward each
-        expected += [lat_s + tokens * channels * 4 / bps] * syncs
-        expected += [lat_s + rows * -(-vocab // 3) * 4 / bps] if partial else []
+        expected += [4 * lat_s + 4 / 3 * tokens * channels * 4 / bps] * syncs
+        expected += [2 * lat_s + 2 / 3 * 3 * rows * -(-vocab // 3) * 4 / bps] if partial else []
     assert waits == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 def test_link_emulation_around_simulated_comm(tiny_llama_dir, waits) -> None:
-    """EmulatedLinkComm around a SimulatedComm (built directly): a bf16 decode step of 2 tokens waits
-    latency + 2 x 48 x 2 bytes / bandwidth per all-reduce, and ``waited_s`` adds them up."""
+    """EmulatedLinkComm around a SimulatedComm of 3 ranks (built directly): a bf16 decode step of 2
+    tokens waits 4 latency + 4/3 x 2 x 48 x 2 bytes / bandwidth per all-reduce (a ring of 3), and
+    ``waited_s`` adds them up."""
     from syncdrop.bench.link import EmulatedLinkComm, Link
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.executor import simulated_model
@@ -368,5 +370,5 @@ def test_link_emulation_around_simulated_comm(tiny_llama_dir, waits) -> None:
     model = simulated_model(src.config, src.reader.get, 3, dtype=torch.bfloat16)
     model.comm = EmulatedLinkComm(model.comm, Link(bandwidth=2e6, latency=1e-4))
     model.hidden_states(torch.tensor([[5], [7]]))
-    assert waits == pytest.approx([1e-4 + 2 * 48 * 2 / 2e6] * 4, rel=1e-9)
+    assert waits == pytest.approx([4e-4 + 4 / 3 * 2 * 48 * 2 / 2e6] * 4, rel=1e-9)
     assert model.comm.waited_s == pytest.approx(sum(waits)) and model.comm.calls == 4

@@ -91,12 +91,19 @@ def test_ring_allreduce_formula() -> None:
     assert twice_small / small == pytest.approx(1.0, rel=1e-3)  # latency-dominated: flat
 
 
-def test_emulated_term_matches_link_py() -> None:
+def test_emulated_term_is_the_ring_link_py_waits() -> None:
+    """The cost model's emulated term is what EmulatedLinkComm waits: a ring over N ranks on the link."""
     link = Link(bandwidth=3e8, latency=50e-6)
     for n in (0, 2304, 589824):
-        assert cm.emulated_delay(n, link.bandwidth, link.latency) == pytest.approx(link.delay(n))
+        for N in (1, 2, 3, 8):
+            want = 0.0 if N == 1 else 2 * (N - 1) * 50e-6 + 2 * (N - 1) / N * n / 3e8
+            assert cm.emulated_delay(n, N, link.bandwidth, link.latency) == pytest.approx(want, abs=1e-15)
+            assert link.all_reduce_s(n, N) == pytest.approx(want, abs=1e-15)
+            gather = 0.0 if N == 1 else (N - 1) * 50e-6 + (N - 1) / N * n / 3e8
+            assert link.all_gather_s(n, N) == pytest.approx(gather, abs=1e-15)
     comm = cm.CommModel(1e-5, 1e9, link.bandwidth, link.latency)
-    assert comm.allreduce(589824, 2) == pytest.approx(cm.ring_allreduce_time(589824, 2, 1e-5, 1e9) + link.delay(589824))
+    assert comm.allreduce(589824, 2) == pytest.approx(cm.ring_allreduce_time(589824, 2, 1e-5, 1e9)
+                                                      + link.all_reduce_s(589824, 2))
     assert comm.allreduce(589824, 1) == 0.0  # one rank: no collective at all
 
 
@@ -116,8 +123,8 @@ def test_forward_comm_splits_latency_and_bandwidth() -> None:
     per-byte part, written out here for a ring on 4 ranks and an emulated link; u = n is n full ones."""
     a, b, bw, lat, sync, nb, N = 10e-6, 1e9, 2e8, 50e-6, 1e-4, 1e6, 4
     comm = cm.CommModel(a, b, bw, lat, sync)
-    per_msg = 2 * (N - 1) * a + lat + sync
-    per_byte = 2 * (N - 1) / N * nb / b + nb / bw
+    per_msg = 2 * (N - 1) * (a + lat) + sync  # the emulated link is a ring too
+    per_byte = 2 * (N - 1) / N * (nb / b + nb / bw)
     assert comm.forward(nb, N, 8, 2.0) == pytest.approx(8 * per_msg + 2.0 * per_byte, rel=1e-12)
     assert comm.forward(nb, N, 8) == comm.forward(nb, N, 8, 8.0) == 8 * comm.allreduce(nb, N)
     assert comm.forward(nb, N, 8, 2.0, in_forward=False) == pytest.approx(8 * (per_msg - sync) + 2.0 * per_byte)
@@ -136,7 +143,7 @@ def test_partial_plans_in_bench_files_are_predicted_by_units(tmp_path) -> None:
     (got,) = [r for r in cm.check(cal, [cm.load_bench(write(tmp_path / "p.json", d))]) if r["what"] == "ttft"]
     cfg, nb = cm.MODELS["smollm2"], 128 * 576 * 4
     flops = cm.prefill_work(cfg, 2, 128).flops - 2 * 576 * 49152 / 2  # vocab-parallel head on 2 ranks
-    per_msg = 2 * 40e-6 + 50e-6 + 1e-4
+    per_msg = 2 * 40e-6 + 2 * 50e-6 + 1e-4  # ring of 2 ranks: 2 steps, on the real and the emulated link
     per_byte = nb / 2e9 + nb / 3e8
     want = flops / 20e9 + 30 * 0.5e-3 + 60 * per_msg + 15.0 * per_byte
     assert got["predicted_ms"] == pytest.approx(want * 1e3, rel=1e-12)

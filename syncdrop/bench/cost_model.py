@@ -10,9 +10,11 @@ Communication (one all-reduce of ``n`` bytes per rank, ring algorithm, alpha-bet
 
 ``alpha`` = per-step latency (s), ``beta`` = link bandwidth (bytes/s). A ring all-reduce is a
 reduce-scatter plus an all-gather, ``N - 1`` steps each, every step moving ``n / N`` bytes. An
-*emulated* slow link (:mod:`syncdrop.bench.link`) adds, after the real collective, exactly::
+*emulated* slow link (:mod:`syncdrop.bench.link`) adds, after the real collective, the same ring
+formula on the emulated link (``alpha`` = ``--link-latency``, ``beta`` = ``--link-bandwidth``; one
+function, :func:`syncdrop.bench.link.ring_all_reduce_s`, serves both)::
 
-    T_emu(n) = latency + n / bandwidth        (n = one rank's payload, as link.py computes it)
+    T_emu(n, N) = 2 (N - 1) * latency + 2 (N - 1) / N * n / bandwidth
 
 so ``T_ar = T_ring + T_emu``. The payload is ``B * S * h * bytes_per_element`` in prefill and
 ``B * h * bytes_per_element`` per decode step.
@@ -78,6 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from syncdrop.bench.link import Link, ring_all_reduce_s
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
 from syncdrop.plan import SyncPlan, parse_plan
@@ -132,15 +135,17 @@ def _bench_model_config(name: str, hidden: int, layers: int, where: str) -> Mode
 
 
 def ring_allreduce_time(n_bytes: float, n_ranks: int, alpha: float, beta: float) -> float:
-    """``2(N-1) alpha + 2(N-1)/N * n_bytes / beta`` seconds; 0 for one rank."""
-    if n_ranks <= 1:
-        return 0.0
-    return 2 * (n_ranks - 1) * alpha + 2 * (n_ranks - 1) / n_ranks * n_bytes / beta
+    """``2(N-1) alpha + 2(N-1)/N * n_bytes / beta`` seconds; 0 for one rank
+    (:func:`syncdrop.bench.link.ring_all_reduce_s`, the formula the link emulation waits)."""
+    return ring_all_reduce_s(n_bytes, n_ranks, alpha, beta)
 
 
-def emulated_delay(n_bytes: float, bandwidth: float | None, latency: float) -> float:
-    """Extra wait of an emulated link per collective: ``latency + n_bytes / bandwidth`` (as link.py)."""
-    return latency + (n_bytes / bandwidth if bandwidth else 0.0)
+def emulated_delay(n_bytes: float, n_ranks: int, bandwidth: float | None, latency: float,
+                   formula: str = "ring") -> float:
+    """Extra wait of an emulated link per all-reduce: the ring over ``n_ranks`` on that link, exactly
+    what :class:`~syncdrop.bench.link.EmulatedLinkComm` waits (``formula="flat"``: files written before
+    the ring emulation, :class:`~syncdrop.bench.link.Link`)."""
+    return Link(bandwidth, latency, formula).all_reduce_s(n_bytes, n_ranks)
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,13 @@ class CommModel:
     emu_bandwidth: float | None = None
     emu_latency: float = 0.0
     sync_s: float = 0.0
+    emu_formula: str = "ring"
 
     def collective(self, n_bytes: float, n_ranks: int) -> float:
         """One isolated all-reduce: ``T_ring + T_emu`` (what the bench's all-reduce timing measures)."""
         t = ring_allreduce_time(n_bytes, n_ranks, self.alpha, self.beta)
         if n_ranks > 1:
-            t += emulated_delay(n_bytes, self.emu_bandwidth, self.emu_latency)
+            t += emulated_delay(n_bytes, n_ranks, self.emu_bandwidth, self.emu_latency, self.emu_formula)
         return t
 
     def allreduce(self, n_bytes: float, n_ranks: int) -> float:
@@ -178,8 +184,8 @@ class CommModel:
         fixed = t(0.0, n_ranks)
         return collectives * fixed + units * (t(n_bytes, n_ranks) - fixed)
 
-    def with_emulation(self, bandwidth: float | None, latency: float) -> CommModel:
-        return dataclasses.replace(self, emu_bandwidth=bandwidth, emu_latency=latency)
+    def with_emulation(self, bandwidth: float | None, latency: float, formula: str = "ring") -> CommModel:
+        return dataclasses.replace(self, emu_bandwidth=bandwidth, emu_latency=latency, emu_formula=formula)
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,6 +339,7 @@ class BenchRun:
     allreduce: dict[str, tuple[int, float]]  # phase -> (bytes, median seconds)
     # per plan: plan, spd_fraction, allreduces_per_forward, comm_units, vocab_gather, ttft_s, decode_s
     plans: list[dict[str, Any]]
+    emu_formula: str = "ring"  # "flat": written before the ring emulation (syncdrop.bench.link.Link)
 
     @property
     def emulated(self) -> bool:
@@ -371,14 +378,13 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
                   "vocab_gather": bool(r.get("vocab_gather", r.get("partial", False))),
                   "ttft_s": float(r["ttft_ms"]) / 1e3, "decode_s": float(r["decode_ms"]) / 1e3}
                  for r in d["plans"]]
-        link = s.get("link") or {}
+        link = Link.from_dict(s.get("link"))
         run = BenchRun(
             path=str(path), model=str(s["model"]), cfg=None, tp=int(s["tp"]),  # type: ignore[arg-type]
             prompt_len=int(s["prompt_len"]), batch=int(s["batch"]), decode_tokens=int(s["decode_tokens"]),
             dtype_bytes=_DTYPE_BYTES[s.get("dtype", "float32")],
-            emu_bandwidth=float(link["bandwidth_Bps"]) if link.get("bandwidth_Bps") else None,
-            emu_latency=float(link.get("latency_s") or 0.0),
-            threads_per_rank=s.get("threads_per_rank"), allreduce=ar, plans=plans)
+            emu_bandwidth=link.bandwidth, emu_latency=link.latency,
+            threads_per_rank=s.get("threads_per_rank"), allreduce=ar, plans=plans, emu_formula=link.formula)
         hidden, layers = int(s["hidden_size"]), int(s["num_layers"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise SyncdropError(f"{where}: not a syncdrop bench result (bad or missing {e})") from None
@@ -538,7 +544,7 @@ def check(cal: Calibration, runs: list[BenchRun]) -> list[dict[str, Any]]:
     """Predicted vs measured TTFT and decode step of every plan of ``runs`` (emulated link added)."""
     rows = []
     for r in runs:
-        comm = cal.comm.with_emulation(r.emu_bandwidth, r.emu_latency)
+        comm = cal.comm.with_emulation(r.emu_bandwidth, r.emu_latency, r.emu_formula)
         for phase, (b, t) in r.allreduce.items():
             pred = comm.collective(b, r.tp)
             rows.append({"file": r.path, "link": r.link_label, "prompt_len": r.prompt_len, "what": f"allreduce:{phase}",

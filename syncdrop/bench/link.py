@@ -1,15 +1,26 @@
-"""Slow-link *emulation*: make every collective cost ``latency + bytes / bandwidth`` extra.
+"""Slow-link *emulation*: make every collective cost what a ring over ``N`` ranks costs on a link.
 
-This is emulation, not a network simulator: after the real collective returns, the caller waits
-``latency + payload_bytes / bandwidth`` more, where the payload is the tensor handed to the
-all-reduce on this rank. The wait sleeps until ~0.2 ms before the deadline, then spins, which is
-accurate to a few microseconds on an idle core (plain ``time.sleep`` overshoots by 50-100 us).
-Use it to ask "what if our ranks talked over a link of this speed?" on one machine; the cost
-model (:mod:`syncdrop.bench.cost_model`) answers the same question for clusters analytically.
+This is emulation, not a network simulator: after the real collective returns (the device
+synchronised first), the caller waits what the collective would take on a ring of ``N`` ranks
+joined by a link of per-step latency ``alpha`` (``--link-latency``) and bandwidth ``beta``
+(``--link-bandwidth``)::
+
+    all-reduce of n bytes (each rank's tensor):   T_ar(n, N) = 2 (N - 1) alpha + 2 (N - 1) / N * n / beta
+    all-gather of N slices of s bytes (n = N s):  T_ag(n, N) = (N - 1) alpha + (N - 1) / N * n / beta
+
+(a ring all-reduce is a reduce-scatter and an all-gather, ``N - 1`` steps each, every step moving
+``n / N`` bytes; one rank: 0). :func:`ring_all_reduce_s` and :func:`ring_all_gather_s` are the
+only place these formulas live: the cost model (:mod:`syncdrop.bench.cost_model`) uses them for
+the real link and for the emulated one, so prediction and emulation cannot drift apart.
+
+The wait sleeps until ~0.2 ms before the deadline, then spins, which is accurate to a few
+microseconds on an idle core (plain ``time.sleep`` overshoots by 50-100 us). Use it to ask "what
+if our ranks talked over a link of this speed?" on one machine.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -45,15 +56,64 @@ def parse_latency(text: str) -> float:
     return float(m.group(1)) * _UNITS_TIME[unit]
 
 
+def ring_all_reduce_s(n_bytes: float, n_ranks: int, alpha: float, beta: float | None) -> float:
+    """``2(N-1) alpha + 2(N-1)/N * n_bytes / beta`` seconds (``beta`` None or inf: no bandwidth term);
+    0 for one rank. ``n_bytes``: the tensor each rank hands to the all-reduce."""
+    if n_ranks <= 1:
+        return 0.0
+    steps = n_ranks - 1
+    return 2 * steps * alpha + (2 * steps / n_ranks * n_bytes / beta if beta and math.isfinite(beta) else 0.0)
+
+
+def ring_all_gather_s(n_bytes: float, n_ranks: int, alpha: float, beta: float | None) -> float:
+    """``(N-1) alpha + (N-1)/N * n_bytes / beta`` seconds, ``n_bytes`` = the gathered result (``N``
+    slices); 0 for one rank."""
+    if n_ranks <= 1:
+        return 0.0
+    steps = n_ranks - 1
+    return steps * alpha + (steps / n_ranks * n_bytes / beta if beta and math.isfinite(beta) else 0.0)
+
+
+FORMULAS = ("ring", "flat")
+
+
 @dataclass(frozen=True)
 class Link:
-    """An emulated link: ``bandwidth`` in bytes/s (None = infinite), ``latency`` in seconds."""
+    """An emulated link: ``bandwidth`` in bytes/s (None = infinite), ``latency`` = the per-step
+    latency ``alpha`` of the ring, in seconds.
+
+    ``formula``: ``ring`` (the emulation: the formulas of the module docstring); ``flat`` only reads
+    result files written before the ring emulation existed (their ``link`` has no ``formula``), which
+    waited ``latency + one rank's bytes / bandwidth`` per all-reduce whatever ``N``, so that their
+    predictions stay comparable with what they measured."""
 
     bandwidth: float | None = None
     latency: float = 0.0
+    formula: str = "ring"
 
-    def delay(self, nbytes: int) -> float:
-        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+    def __post_init__(self) -> None:
+        if self.formula not in FORMULAS:
+            raise SyncdropError(f"link formula must be one of {', '.join(FORMULAS)}, got {self.formula!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Link:
+        """The link a result file's ``settings.link`` records (``{}`` or None: no emulation)."""
+        d = d or {}
+        bw = d.get("bandwidth_Bps")
+        return cls(float(bw) if bw else None, float(d.get("latency_s") or 0.0), d.get("formula", "flat"))
+
+    def all_reduce_s(self, n_bytes: float, n_ranks: int) -> float:
+        """The emulated time of one all-reduce of ``n_bytes`` per rank over ``n_ranks``."""
+        if self.formula == "flat":
+            return 0.0 if n_ranks <= 1 else self.latency + (n_bytes / self.bandwidth if self.bandwidth else 0.0)
+        return ring_all_reduce_s(n_bytes, n_ranks, self.latency, self.bandwidth)
+
+    def all_gather_s(self, n_bytes: float, n_ranks: int) -> float:
+        """The emulated time of one all-gather whose result is ``n_bytes`` (``n_ranks`` slices)."""
+        if self.formula == "flat":
+            return 0.0 if n_ranks <= 1 else self.latency + (n_bytes / n_ranks / self.bandwidth if self.bandwidth
+                                                             else 0.0)
+        return ring_all_gather_s(n_bytes, n_ranks, self.latency, self.bandwidth)
 
     @property
     def active(self) -> bool:
@@ -66,7 +126,7 @@ class Link:
         return f"{bw}, {self.latency * 1e6:.0f} us"
 
     def to_dict(self) -> dict:
-        return {"bandwidth_Bps": self.bandwidth, "latency_s": self.latency}
+        return {"bandwidth_Bps": self.bandwidth, "latency_s": self.latency, "formula": self.formula}
 
 
 def wait(seconds: float) -> None:
@@ -79,33 +139,31 @@ def wait(seconds: float) -> None:
 
 
 class EmulatedLinkComm(CommWrapper):
-    """Wraps a communicator; each all-reduce and logits all-gather then waits ``link.delay(payload
-    bytes)`` more, where the payload is one rank's share of the tensor handed to it. The device is
-    synchronised first, so that the wait starts when the collective has really finished (on CUDA
-    the call returns as soon as it is queued). Partial reduces and broadcasts go through the inner
-    communicator's path; a partial reduce pays for the ``k`` channels it sends, through
-    :meth:`all_reduce`."""
+    """Wraps a communicator of ``N = inner.tp`` ranks; each all-reduce then waits
+    :meth:`Link.all_reduce_s` of one rank's tensor and each logits all-gather :meth:`Link.all_gather_s`
+    of the gathered result (``N`` slices padded to the largest, as :class:`DistComm` gathers). The
+    device is synchronised first, so that the wait starts when the collective has really finished
+    (on CUDA the call returns as soon as it is queued). Partial reduces go through :meth:`all_reduce`
+    and pay for the ``k`` channels they send; broadcasts (tokens) are not delayed."""
 
     def __init__(self, inner, link: Link) -> None:
         super().__init__(inner)
         self.link = link
         self.waited_s = 0.0
 
-    def _delay(self, out: torch.Tensor, nbytes: int) -> None:
+    def _delay(self, out: torch.Tensor, seconds: float) -> None:
         synchronize(out.device)
-        d = self.link.delay(nbytes)
-        wait(d)
-        self.waited_s += d
+        wait(seconds)
+        self.waited_s += seconds
 
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Vocab-parallel logits gather (partial-sync plans), delayed by the payload one rank sends: its
-        slice padded to the largest, ``rows x max(sizes)`` elements (what :class:`DistComm` gathers)."""
         out = self.inner.all_gather_last(x, sizes)
         rows = x.numel() // max(1, x.shape[-1])  # (..., n) -> rows of the gathered matrix
-        self._delay(out, rows * max(sizes) * x.element_size())
+        self._delay(out, self.link.all_gather_s(rows * max(sizes) * len(sizes) * x.element_size(), self.tp))
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.all_reduce(x)
-        self._delay(out, x.numel() * x.element_size() // max(1, x.shape[0]))  # one rank's payload
+        per_rank = x.numel() * x.element_size() // max(1, x.shape[0])  # (R, M, h): one rank's (M, h)
+        self._delay(out, self.link.all_reduce_s(per_rank, self.tp))
         return out
