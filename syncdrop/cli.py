@@ -35,12 +35,25 @@ def _own_plan(source, spec: str) -> SyncPlan:
     return own
 
 
+def _check_bench_link(args: argparse.Namespace, cfg) -> None:
+    """The prefill all-reduce (batch x prompt x hidden) must be emulated in less than --dist-timeout."""
+    import torch
+
+    from syncdrop.bench.link import check_within_timeout
+    from syncdrop.runtime import parse_dtype
+
+    elem = torch.empty((), dtype=parse_dtype(args.dtype)).element_size()
+    check_within_timeout(link_from_args(args), args.batch * args.prompt_len * cfg.hidden_size * elem, args.tp,
+                         args.dist_timeout)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from syncdrop.bench.latency import latency_bench, markdown_table
     from syncdrop.eval.data import load_text
     from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+    from syncdrop.models.loading import resolve_model
     from syncdrop.parallel import dist
     from syncdrop.plan import parse_plan, split_plan_list
 
@@ -52,6 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SyncdropError("bench runs syncdrop's executors: use --executor auto")
     specs = split_plan_list(args.plans)
     link = link_from_args(args)
+    _check_bench_link(args, resolve_model(args.model).config)  # the header only: fail before loading weights
     built = build_from_args(args, progress=False)
     L = built.source.config.num_layers
     plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
@@ -268,6 +282,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
                 parse_plan(spec, cfg.num_layers, args.drop_variant)
             else:
                 _own_plan(source, args.model)
+        _check_bench_link(args, cfg)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))

@@ -321,6 +321,19 @@ def test_bench_tp_above_1_needs_launch(tiny_llama_dir, text_file, capsys) -> Non
     assert "--launch" in capsys.readouterr().err
 
 
+def test_bench_refuses_a_link_slower_than_the_timeout(tiny_llama_dir, text_file, capsys) -> None:
+    """The prefill all-reduce of 2 x 32 tokens x 48 channels x 4 bytes over a ring of 3 ranks at
+    1 kB/s waits 4/3 x 12288 / 1e3 = 16.4 s, past --dist-timeout 10: the launcher refuses it before
+    any rank starts, in one line."""
+    argv = ["bench", "--model", str(tiny_llama_dir), "--tp", "3", "--launch", "--batch", "2", "--prompt-len", "32",
+            "--dataset", str(text_file), "-q", "--dist-timeout", "10", "--link-bandwidth", "1kB/s"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["syncdrop: error: --link-bandwidth/--link-latency: one all-reduce of 12288 bytes over 3 ranks "
+                   "would wait 16.4 s on this link, not less than --dist-timeout 10 s; use a faster link, a shorter "
+                   "prompt or a longer --dist-timeout"]
+
+
 # ---------------------------------------------------------------- slow-link emulation
 
 @pytest.fixture

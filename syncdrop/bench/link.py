@@ -129,6 +129,16 @@ class Link:
         return {"bandwidth_Bps": self.bandwidth, "latency_s": self.latency, "formula": self.formula}
 
 
+def check_within_timeout(link: Link, n_bytes: float, n_ranks: int, timeout_s: float) -> None:
+    """Refuse a link on which one all-reduce of ``n_bytes`` per rank would be emulated as taking at
+    least the collective timeout: every such wait is a rank that looks dead to the others."""
+    delay = link.all_reduce_s(n_bytes, n_ranks)
+    if delay >= timeout_s:
+        raise SyncdropError(f"--link-bandwidth/--link-latency: one all-reduce of {n_bytes:.0f} bytes over {n_ranks} "
+                            f"ranks would wait {delay:.3g} s on this link, not less than --dist-timeout "
+                            f"{timeout_s:g} s; use a faster link, a shorter prompt or a longer --dist-timeout")
+
+
 def wait(seconds: float) -> None:
     """Wait precisely: sleep until ``SPIN_S`` before the deadline, then spin."""
     deadline = time.perf_counter() + seconds
