@@ -19,6 +19,7 @@ from syncdrop.cli_args import (
     check_launch_devices,
     error_line,
     link_from_args,
+    positive,
 )
 from syncdrop.errors import SyncdropError
 from syncdrop.plan import SyncPlan
@@ -55,10 +56,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel import dist
+    from syncdrop.parallel.device import pin_cpu_threads
     from syncdrop.plan import parse_plan, split_plan_list
 
-    at_least(args, 1, "prompt_len", "decode_tokens", "reps", "batch")
+    at_least(args, 1, "prompt_len", "decode_tokens", "reps", "batch", "threads")
     at_least(args, 0, "warmup")
+    positive(args, "target_ci")
+    if args.max_reps is not None and args.max_reps < args.reps:
+        raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
     if args.tp > 1 and not dist.launched_by_torchrun():
         raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
     if args.executor == "hf":
@@ -66,6 +71,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     specs = split_plan_list(args.plans)
     link = link_from_args(args)
     _check_bench_link(args, resolve_model(args.model).config)  # the header only: fail before loading weights
+    launched = dist.launched_by_torchrun()
+    pinned = pin_cpu_threads(args.threads, dist.local_rank() if launched else 0,
+                             dist.local_world_size() if launched else 1)
     built = build_from_args(args, progress=False)
     L = built.source.config.num_layers
     plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
@@ -79,7 +87,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
         built.use_plan(plan)
     res = latency_bench(built.use_plan, plans, prompt, args.decode_tokens, args.reps, args.warmup,
-                        progress=built.is_main and not args.quiet)
+                        progress=built.is_main and not args.quiet, max_reps=args.max_reps,
+                        target_rel_ci=args.target_ci)
     memory = built.memory()
     if not built.is_main:
         return 0
@@ -88,12 +97,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
                 "link": link.to_dict(), "link_description": link.describe(), "exact_reduce": args.exact_reduce,
                 "runtime": "distributed" if built.dist else "single-process", "backend": rt.backend,
-                "device": str(rt.device), "executor": rt.executor, "threads_per_rank": torch.get_num_threads(),
+                "device": str(rt.device), "executor": rt.executor, "threads_per_rank": pinned["threads"],
+                "cpu_cores_rank0": pinned["cores"], "max_reps": args.max_reps, "target_ci": args.target_ci,
                 "hidden_size": built.source.config.hidden_size, "num_layers": L, "model_spec": args.model,
                 "model_config": built.source.config.to_dict()}
     table = markdown_table(res)
     print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
-          f"{args.decode_tokens} decode tokens, link: {link.describe()}, median of {args.reps} interleaved reps")
+          f"{args.decode_tokens} decode tokens, link: {link.describe()}, medians of {res['reps_run']} interleaved reps "
+          f"[95% intervals], {pinned['threads']} thread(s) per rank")
     print(table)
     if args.json:
         atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": memory, **res})
@@ -229,7 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions, at least (default 5)")
+    p.add_argument("--max-reps", type=int, default=None,
+                   help="keep repeating, up to this many reps, until every plan's median TTFT has a 95%% "
+                        "interval within +-(--target-ci) (default: --reps, i.e. a fixed count)")
+    p.add_argument("--target-ci", type=float, default=0.03,
+                   help="relative half-width of the median TTFT interval to reach (default 0.03)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per rank, each rank pinned to its own cores (default: cores / ranks)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dataset", default="auto", help="text the prompt is cut from (default auto)")
     p.add_argument("--data-dir", default=None)

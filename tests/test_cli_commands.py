@@ -288,11 +288,20 @@ def test_bench_tp1_batch2_single_process(tiny_llama_dir, text_file, tmp_path, mo
     assert res["baseline_plan"] == "none"
     for r in rows.values():
         assert len(r["ttft_samples_ms"]) == len(r["decode_samples_ms"]) == 2
-    assert rows["all"]["ideal_saving_ms"] == pytest.approx(2 * ar["prefill"]["median_ms"])
+    assert rows["all"]["ideal_saving_isolated_ms"] == pytest.approx(2 * ar["prefill"]["median_ms"])
+    # the in-forward ideal: per rep, the times of the sync points "all" drops (the attention ones) in the
+    # instrumented none run; "none" drops nothing
+    sync = res["sync_points"]
+    assert sync["points"] == [[0, "attn", 1.0], [0, "mlp", 1.0], [1, "attn", 1.0], [1, "mlp", 1.0]]
+    assert len(sync["prefill_samples_ms"]) == len(sync["decode_samples_ms"]) == 2
+    assert rows["all"]["ideal_saving_samples_ms"] == pytest.approx([t[0] + t[2] for t in sync["prefill_samples_ms"]])
+    assert rows["none"]["ideal_saving_samples_ms"] == [0.0, 0.0] and rows["none"]["realised_over_ideal"] is None
+    lo, hi = rows["all"]["ttft_ci_ms"]
+    assert lo <= rows["all"]["ttft_ms"] <= hi
     ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(text_file.read_text()[:2000], add_special_tokens=False)
     prompt = torch.tensor(ids["input_ids"][:16]).view(2, 8)
     dropped = [[b["attn"] != "full" for b in p["blocks"]] for p, _ in spy.calls]
-    assert dropped == [[False, False], [True, True]] * 3  # none, all; 1 warm-up + 2 reps
+    assert dropped == [[False, False], [True, True], [False, False]] * 3  # none, all, none timed; 1 warm-up + 2 reps
     assert all(torch.equal(p, prompt) for _, p in spy.calls)
     assert "| none |" in capsys.readouterr().out
 
@@ -307,7 +316,7 @@ def test_bench_plans_model_runs_the_trained_plan(trained_dir, tmp_path, monkeypa
     rows = {r["plan"]: r for r in res["plans"]}
     assert rows["model"]["partial"] and rows["model"]["comm_units"] == pytest.approx(2 * 2 * 0.5)
     assert rows["none"]["comm_units"] == 4 and res["baseline_plan"] == "none"
-    assert [p["blocks"] for p, _ in spy.calls[::2]] == [own] * 3
+    assert [p["blocks"] for p, _ in spy.calls[::3]] == [own] * 3  # per rep: model, none, none (timed)
 
 
 def test_bench_plans_model_without_a_plan_is_an_error(tiny_llama_dir, text_file, capsys) -> None:

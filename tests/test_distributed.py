@@ -169,6 +169,10 @@ def test_bench_under_launch(tiny_llama_dir, long_text, tmp_path: Path) -> None:
             assert key in p
         assert len(p["ttft_samples_ms"]) == 2
     assert res["settings"]["link"]["latency_s"] == pytest.approx(2e-5)
+    sync = res["sync_points"]
+    assert len(sync["points"]) == 4 and len(sync["prefill_samples_ms"]) == 2
+    # each sync point inside the forward includes the emulated ring's wait, 2 (N - 1) x 20 us, at least
+    assert min(min(t) for t in sync["prefill_samples_ms"] + sync["decode_samples_ms"]) >= 0.04
     assert res["memory"]["ranks"][1]["weights_mb"] < res["memory"]["full_copy_mb"]
     assert (tmp_path / "bench.md").is_file()
 

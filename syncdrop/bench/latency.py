@@ -2,23 +2,32 @@
 
 Every rank runs the same loop; plans are interleaved (rep 1: A B C, rep 2: A B C, ...) so that
 machine noise hits them alike; rank 0's clock is reported (ranks move in lock-step through the
-collectives). Beside the plans it times one all-reduce of each payload the model sends (prefill:
-``(B*S, h)``, decode: ``(B, h)``) through the same communicator, so the *ideal* saving of a plan is
-``dropped all-reduces x measured all-reduce time`` and ``realised / ideal`` says how much of it the
-runtime turns into wall-clock time.
-
-Every clock reading synchronises the model's device first
+collectives). Every clock reading synchronises the model's device first
 (:func:`syncdrop.parallel.device.device_clock`): CUDA kernels and NCCL collectives return when
-queued, so an unsynchronised reading would time the queueing. The plan facts come from the plan
-(:class:`~syncdrop.plan.SyncPlan`): ``allreduces_per_forward`` is
-:attr:`~syncdrop.plan.SyncPlan.collectives_per_forward` (a partial sync counts as one collective,
-``p = 0`` as none), ``comm_units`` is :meth:`~syncdrop.plan.SyncPlan.comm_units`.
+queued, so an unsynchronised reading would time the queueing.
 
-Partial-sync plans (CAAT-Net) send ``k/h`` of each all-reduce's payload; a plan's communication is
-counted in full-all-reduce units, ``sum over sync points of k/h`` (``comm_units``; a dropped sync
-point counts 0), and the ideal saving is ``(baseline units - plan units) x all-reduce time``: a
-bandwidth-only estimate (a partial all-reduce still pays the full per-message latency). Their
-vocab-parallel LM head also all-gathers the logits, which the ideal saving leaves out.
+**The ideal saving, measured inside the forward.** In every rep, after the plans, the baseline
+plan (the one that communicates most, ``none`` when listed) runs once more with a
+:class:`~syncdrop.bench.sync_timer.SyncTimer` on its communicator, which times each sync point of
+the prefill forward and of every decode step; per sync point the slowest rank's time counts. A
+plan's ideal saving in that rep is ``sum_j w_j t_j`` over the baseline's sync points, with ``w_j``
+= 1 for a point the plan drops, ``1 - k/h`` for a partial one
+(:func:`~syncdrop.bench.sync_timer.saving_weights`). The isolated all-reduce (zeros, right after a
+barrier, as before) is kept as a separate figure (``ideal_saving_isolated_ms``); it leaves out rank
+skew and wake-up and so understates what dropping a sync point saves.
+
+**Intervals.** Medians come with 95% percentile-bootstrap intervals over reps, paired across plans
+(:mod:`syncdrop.bench.stats`): each plan's median TTFT and decode step, its ratio to the baseline,
+and ``realised / ideal`` with ``realised`` = baseline median - plan median. Reps continue past
+``reps`` (up to ``max_reps``) until every plan's median TTFT interval is within
+``+-target_rel_ci`` of the median; all ranks take the same decision (the maximum over ranks of
+"not yet").
+
+The plan facts come from the plan (:class:`~syncdrop.plan.SyncPlan`): ``allreduces_per_forward``
+is :attr:`~syncdrop.plan.SyncPlan.collectives_per_forward` (a partial sync counts as one
+collective, ``p = 0`` as none), ``comm_units`` is :meth:`~syncdrop.plan.SyncPlan.comm_units`.
+Partial-sync plans also all-gather the logits (vocab-parallel head); that gather is timed
+(``sync_points.gather_*``) but is not a sync point of the baseline, so no ideal saving counts it.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from typing import Any
 
 import torch
 
+from syncdrop.bench.stats import bootstrap_ci, median_ci, median_of, relative_half_width
+from syncdrop.bench.sync_timer import SyncTimer, saving_weights, slowest_rank
 from syncdrop.generate import generate
 from syncdrop.parallel.comm import Communicator
 from syncdrop.parallel.device import device_clock
@@ -57,26 +68,55 @@ def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
 
+def _rep_sync_times(model, comm: Communicator, prompt: torch.Tensor, decode_tokens: int,
+                    n_points: int) -> tuple[list[float], list[float], float]:
+    """One instrumented generation of ``model`` (the baseline plan): per sync point, the slowest rank's
+    seconds in the prefill forward and averaged over the decode steps, and the gather seconds of the
+    prefill (0 without a vocab-parallel head)."""
+    timer = SyncTimer(comm, model.device)
+    model.comm = timer
+    try:
+        comm.barrier()
+        generate(model, prompt, decode_tokens + 1, clock=device_clock(model.device))
+    finally:
+        model.comm = comm
+    times = slowest_rank(comm, timer.times, model.device)
+    sync = [t for t, k in zip(times, timer.kinds, strict=True) if k == "sync"]
+    gather = [t for t, k in zip(times, timer.kinds, strict=True) if k == "gather"]
+    forwards = decode_tokens + 1
+    if len(sync) != forwards * n_points:
+        raise RuntimeError(f"sync timer: {len(sync)} all-reduces in {forwards} forwards, expected {n_points} each")
+    steps = [sync[f * n_points : (f + 1) * n_points] for f in range(forwards)]  # (forwards, points)
+    decode = [statistics.mean(col) for col in zip(*steps[1:], strict=True)] if decode_tokens else [0.0] * n_points
+    return steps[0], decode, gather[0] if gather else 0.0
+
+
+def _ci_ms(ci: tuple[float, float] | None) -> list[float] | None:
+    return None if ci is None else [ci[0] * 1e3, ci[1] * 1e3]
+
+
 def latency_bench(
     model_for: Callable[[SyncPlan], Any], plans: list[tuple[str, SyncPlan]], prompt: torch.Tensor,
-    decode_tokens: int, reps: int, warmup: int, progress: bool = True,
+    decode_tokens: int, reps: int, warmup: int, progress: bool = True, max_reps: int | None = None,
+    target_rel_ci: float = 0.03,
 ) -> dict:
-    """Measure every plan; returns the ``allreduce`` and ``plans`` sections of the result JSON.
+    """Measure every plan; returns the ``allreduce``, ``sync_points`` and ``plans`` sections of the
+    result JSON (see the module docstring).
 
     ``model_for(plan)`` returns the model ready to run ``plan`` (the runtime's
     :meth:`~syncdrop.runtime.Built.use_plan`, which applies a checkpoint's plan logic: a distilled
     directory runs its distilled blocks only where ``plan`` drops the sync); this function never
     sets a plan itself. Every model it returns must share one communicator (``model.comm``), whose
-    ``barrier()`` lines the ranks up before every timed all-reduce and generation. Each row's
-    ``allreduces_per_forward`` / ``comm_units`` are the plan's
-    :attr:`~syncdrop.plan.SyncPlan.collectives_per_forward` / :meth:`~syncdrop.plan.SyncPlan.comm_units`;
-    ``sync_points`` lists ``[block, "attn" | "mlp", payload]`` and ``ranks_diverge`` /
-    ``vocab_gather`` say whether rank streams can differ and whether the logits are all-gathered.
+    ``barrier()`` lines the ranks up before every timed all-reduce and generation. ``reps``: the
+    minimum number of interleaved reps; ``max_reps`` (default ``reps``): the most, run while some
+    plan's median TTFT interval is wider than ``+-target_rel_ci``. ``warmup`` reps run first and are
+    not recorded.
     """
     from tqdm import tqdm
 
     if not plans:
         raise ValueError("latency_bench needs at least one plan")
+    max_reps = max(reps, max_reps or reps)
     B, S = prompt.shape
     model = model_for(plans[0][1])
     cfg, comm = model.cfg, model.comm
@@ -86,64 +126,133 @@ def latency_bench(
         samples = time_all_reduce(comm, hidden, tokens, model.geo.r, model.dtype, model.device)
         ar[what] = {"tokens": tokens, "bytes": tokens * hidden * model.embed.element_size(),
                     "median_ms": _median_ms(samples), "samples_ms": [s * 1e3 for s in samples]}
+    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
+    base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
+    points = base_plan.sync_points(hidden)
     samples = {spec: {"ttft": [], "decode": []} for spec, _ in plans}
-    total = (warmup + reps) * len(plans)
-    with tqdm(total=total, desc="bench", unit="run", disable=not progress, leave=False) as bar:
-        for rep in range(warmup + reps):
+    sync_prefill: list[list[float]] = []  # (reps, points): the slowest rank's seconds per sync point
+    sync_decode: list[list[float]] = []
+    gather_prefill: list[float] = []
+    rep = 0
+    converged = False
+    with tqdm(total=(warmup + max_reps) * (len(plans) + 1), desc="bench", unit="run", disable=not progress,
+              leave=False) as bar:
+        while True:
             for spec, plan in plans:
                 model = model_for(plan)
                 model.comm.barrier()
                 g = generate(model, prompt, decode_tokens + 1, clock=device_clock(model.device))
                 if rep >= warmup:
                     samples[spec]["ttft"].append(g.ttft_s)
-                    samples[spec]["decode"].append(statistics.mean(g.decode_s))
+                    samples[spec]["decode"].append(statistics.mean(g.decode_s) if g.decode_s else 0.0)
                 bar.update()
+            pre, dec, gat = _rep_sync_times(model_for(base_plan), comm, prompt, decode_tokens, len(points))
+            bar.update()
+            if rep >= warmup:
+                sync_prefill.append(pre)
+                sync_decode.append(dec)
+                gather_prefill.append(gat)
+            rep += 1
+            done = rep - warmup
+            if done >= reps:
+                wide = max(relative_half_width(samples[spec]["ttft"]) for spec, _ in plans) > target_rel_ci
+                flag = comm.max_over_ranks(torch.tensor([1.0 if wide else 0.0], device=model.device))
+                converged = not bool(flag.item())
+                if converged or done >= max_reps:
+                    break
 
-    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
-    base_spec = max(plans, key=lambda p: units[p[0]])[0]
+    n = len(sync_prefill)
     base = samples[base_spec]
     rows = []
     for spec, plan in plans:
         s = samples[spec]
+        w = saving_weights(base_plan, plan, hidden)
+        ideal_r = [sum(wj * tj for wj, tj in zip(w, t, strict=True)) for t in sync_prefill]  # per rep, s
+        ideal_dec_r = [sum(wj * tj for wj, tj in zip(w, t, strict=True)) for t in sync_decode]
         n_drop = units[base_spec] - units[spec]
-        ttft, dec = _median_ms(s["ttft"]), _median_ms(s["decode"])
-        ideal = n_drop * ar["prefill"]["median_ms"]
-        ideal_dec = n_drop * ar["decode"]["median_ms"]
-        real = _median_ms(base["ttft"]) - ttft
-        real_dec = _median_ms(base["decode"]) - dec
-        rows.append({
+        row = {
             "plan": spec, "plan_summary": plan.summary(), "dropped": len(plan.dropped),
             "spd_fraction": plan.spd_fraction, "allreduces_per_forward": plan.collectives_per_forward,
             "comm_units": units[spec], "partial": plan.has_partial,
             "sync_points": [[p.block, p.where, p.payload] for p in plan.sync_points(hidden)],
             "ranks_diverge": plan.ranks_diverge, "vocab_gather": plan.needs_vocab_gather,
-            "ttft_ms": ttft, "decode_ms": dec,
-            "ideal_saving_ms": ideal, "realised_saving_ms": real,
-            "realised_over_ideal": real / ideal if ideal > 0 else None,
-            "ideal_decode_saving_ms": ideal_dec, "realised_decode_saving_ms": real_dec,
-            "decode_realised_over_ideal": real_dec / ideal_dec if ideal_dec > 0 else None,
+            "ideal_saving_isolated_ms": n_drop * ar["prefill"]["median_ms"],
+            "ideal_decode_saving_isolated_ms": n_drop * ar["decode"]["median_ms"],
             "ttft_samples_ms": [x * 1e3 for x in s["ttft"]], "decode_samples_ms": [x * 1e3 for x in s["decode"]],
-        })
-    return {"baseline_plan": base_spec, "allreduce": ar, "plans": rows}
+            "ideal_saving_samples_ms": [x * 1e3 for x in ideal_r],
+        }
+        for what, key, ideal in (("ttft", "", ideal_r), ("decode", "decode_", ideal_dec_r)):
+            xs, bs = s[what], base[what]
+            med, base_med, ideal_med = statistics.median(xs), statistics.median(bs), statistics.median(ideal)
+            real = base_med - med
+
+            def ratio(idx, xs=xs, bs=bs, ideal=ideal):
+                i = median_of(ideal, idx)
+                return (median_of(bs, idx) - median_of(xs, idx)) / i if i > 0 else None
+
+            def rel(idx, xs=xs, bs=bs):
+                return median_of(xs, idx) / median_of(bs, idx)
+
+            row[f"{what}_ms"] = med * 1e3
+            row[f"{what}_ci_ms"] = _ci_ms(median_ci(xs))
+            row[f"{what}_over_baseline"] = med / base_med
+            row[f"{what}_over_baseline_ci"] = None if spec == base_spec else bootstrap_ci(rel, n)
+            row[f"ideal_{key}saving_ms"] = ideal_med * 1e3
+            row[f"realised_{key}saving_ms"] = real * 1e3
+            row[f"{key}realised_over_ideal"] = real / ideal_med if ideal_med > 0 else None
+            row[f"{key}realised_over_ideal_ci"] = bootstrap_ci(ratio, n) if ideal_med > 0 else None
+        rows.append(row)
+    sync = {"points": [[p.block, p.where, p.payload] for p in points], "baseline_plan": base_spec,
+            "prefill_ms": [statistics.median(col) * 1e3 for col in zip(*sync_prefill, strict=True)],
+            "decode_ms": [statistics.median(col) * 1e3 for col in zip(*sync_decode, strict=True)],
+            "prefill_total_ms": statistics.median(sum(t) for t in sync_prefill) * 1e3,
+            "decode_total_ms": statistics.median(sum(t) for t in sync_decode) * 1e3,
+            "gather_prefill_ms": statistics.median(gather_prefill) * 1e3,
+            "prefill_samples_ms": [[x * 1e3 for x in t] for t in sync_prefill],  # (reps, points)
+            "decode_samples_ms": [[x * 1e3 for x in t] for t in sync_decode]}
+    return {"baseline_plan": base_spec, "allreduce": ar, "sync_points": sync, "plans": rows,
+            "reps_run": n, "converged": converged, "target_rel_ci": target_rel_ci}
+
+
+def _interval(ci: list[float] | tuple[float, float] | None, fmt: str = "{:.2f}") -> str:
+    return "" if ci is None else " [" + fmt.format(ci[0]) + ", " + fmt.format(ci[1]) + "]"
+
+
+def _ratio_cell(x: float | None, ci) -> str:
+    """``realised/ideal`` with its interval; a ratio above 1 is only stated as such when its whole
+    interval is above 1 (otherwise the measurement does not show that the plan beat its ideal)."""
+    if x is None:
+        return "-"
+    cell = f"{x:.2f}{_interval(ci)}"
+    if ci is not None and ci[0] > 1:
+        cell += " (above 1)"
+    return cell
 
 
 def markdown_table(result: dict) -> str:
-    lines = ["| plan | SPD | comm (all-reduce units) | TTFT ms | decode ms/token | ideal saving ms | realised/ideal "
-             "| decode realised/ideal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def fmt(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
+    """Medians with their 95% bootstrap intervals in brackets (see the module docstring)."""
+    lines = ["| plan | SPD | comm units | TTFT ms | TTFT / baseline | decode ms/token | ideal saving ms "
+             "(in forward) | realised/ideal | decode realised/ideal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["plans"]:
         units = r.get("comm_units", r["allreduces_per_forward"])
-        lines.append(f"| {r['plan']} | {r['spd_fraction']:.0%} | {units:.1f} | {r['ttft_ms']:.1f} | "
-                     f"{r['decode_ms']:.2f} | "
-                     f"{r['ideal_saving_ms']:.1f} | {fmt(r['realised_over_ideal'])} | "
-                     f"{fmt(r['decode_realised_over_ideal'])} |")
+        lines.append(
+            f"| {r['plan']} | {r['spd_fraction']:.0%} | {units:.1f} | {r['ttft_ms']:.1f}"
+            f"{_interval(r.get('ttft_ci_ms'), '{:.1f}')} | {r.get('ttft_over_baseline', 1.0):.3f}"
+            f"{_interval(r.get('ttft_over_baseline_ci'), '{:.3f}')} | {r['decode_ms']:.2f}"
+            f"{_interval(r.get('decode_ci_ms'))} | {r['ideal_saving_ms']:.1f} | "
+            f"{_ratio_cell(r['realised_over_ideal'], r.get('realised_over_ideal_ci'))} | "
+            f"{_ratio_cell(r['decode_realised_over_ideal'], r.get('decode_realised_over_ideal_ci'))} |")
     ar = result["allreduce"]
     lines.append("")
-    lines.append(f"One all-reduce: prefill payload {ar['prefill']['bytes'] / 1e6:.2f} MB "
+    sync = result.get("sync_points")
+    if sync:
+        lines.append(f"Sync points inside the {sync['baseline_plan']} forward ({len(sync['points'])}, slowest rank): "
+                     f"prefill {sync['prefill_total_ms']:.2f} ms in all, decode {sync['decode_total_ms']:.3f} ms "
+                     f"per step (medians over {result.get('reps_run', '?')} reps"
+                     + ("" if result.get("converged", True) else f"; TTFT intervals not yet within "
+                        f"+-{result.get('target_rel_ci', 0.03):.0%}") + ").")
+    lines.append(f"One isolated all-reduce: prefill payload {ar['prefill']['bytes'] / 1e6:.2f} MB "
                  f"{ar['prefill']['median_ms']:.3f} ms; decode payload {ar['decode']['bytes'] / 1e3:.1f} kB "
                  f"{ar['decode']['median_ms']:.3f} ms (medians).")
     return "\n".join(lines) + "\n"

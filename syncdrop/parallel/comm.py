@@ -53,6 +53,11 @@ class Communicator:
         """Return once every rank has called it."""
         raise NotImplementedError
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``x`` over the ranks (bookkeeping, e.g. the slowest rank's time
+        of each sync point; not model traffic, so no link emulation delays it)."""
+        raise NotImplementedError
+
     def generator(self, device: torch.device) -> torch.Generator:
         """This communicator's random generator on ``device``, seeded with :data:`MASK_SEED` at first
         use; every rank draws the same numbers from it as long as every rank draws alike."""
@@ -135,6 +140,9 @@ class SimulatedComm(Communicator):
     def barrier(self) -> None:
         return None
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # one process holds every rank: what it measured is the whole
+
 
 class CommWrapper(Communicator):
     """A communicator that adds behaviour to ``inner``'s collectives; by default it forwards all of
@@ -160,6 +168,9 @@ class CommWrapper(Communicator):
 
     def barrier(self) -> None:
         self.inner.barrier()
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.max_over_ranks(x)
 
     def generator(self, device: torch.device) -> torch.Generator:
         return self.inner.generator(device)

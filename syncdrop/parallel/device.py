@@ -39,3 +39,21 @@ def cuda_memory_mb(device: torch.device | str | None) -> dict[str, float] | None
         return None
     return {"max_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
             "max_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+
+
+def pin_cpu_threads(threads: int | None, local_rank: int, local_world: int) -> dict:
+    """Give this process ``threads`` intra-op threads (default: the usable cores // ``local_world``,
+    at least 1) and, on Linux, bind it to its own contiguous block of ``threads`` cores (local rank
+    ``r`` takes block ``r``), so that ranks sharing a machine do not steal each other's cores. When the
+    blocks do not fit in the usable cores the affinity is left alone. Returns what was set:
+    ``{"threads": t, "cores": [...] or None}``."""
+    import os
+
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    t = threads or max(1, len(usable) // max(1, local_world))
+    torch.set_num_threads(t)
+    cores = None
+    if hasattr(os, "sched_setaffinity") and (local_rank + 1) * t <= len(usable):
+        cores = usable[local_rank * t : (local_rank + 1) * t]
+        os.sched_setaffinity(0, cores)
+    return {"threads": t, "cores": cores}

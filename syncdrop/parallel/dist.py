@@ -244,6 +244,12 @@ class DistComm(Communicator):
         if self.tp > 1:
             barrier(self.group)
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        if self.tp > 1:
+            _guarded("all-reduce (max)", dist.all_reduce, x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank (under the collective timeout)."""

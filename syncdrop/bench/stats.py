@@ -1,0 +1,57 @@
+"""Intervals for benchmark figures: a percentile bootstrap over interleaved repetitions.
+
+Plans are timed interleaved (rep 1: A B C, rep 2: A B C, ...), so rep ``r`` of every plan saw the
+same machine state; a statistic of several plans (a median, a difference of medians, a ratio) is
+resampled by drawing *reps* with replacement, the same draw for every plan (a paired bootstrap).
+The interval is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the statistic over
+``n_boot`` draws; the generator is seeded, so the same samples always give the same interval.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+
+N_BOOT = 2000
+LEVEL = 0.95
+
+
+def bootstrap_ci(stat: Callable[[list[int]], float | None], n_reps: int, n_boot: int = N_BOOT,
+                 level: float = LEVEL, seed: int = 0) -> tuple[float, float] | None:
+    """The percentile interval of ``stat(rep indices)`` over ``n_boot`` paired resamples of
+    ``range(n_reps)``; None with fewer than 2 reps or when ``stat`` is undefined (None) too often
+    (in more than 1 - level of the draws)."""
+    if n_reps < 2:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(n_boot):
+        v = stat([rng.randrange(n_reps) for _ in range(n_reps)])
+        if v is not None and math.isfinite(v):
+            values.append(v)
+    if len(values) < level * n_boot:
+        return None
+    values.sort()
+    lo = values[int((1 - level) / 2 * (len(values) - 1))]
+    hi = values[int(math.ceil((1 + level) / 2 * (len(values) - 1)))]
+    return lo, hi
+
+
+def median_of(xs: Sequence[float], idx: list[int]) -> float:
+    return statistics.median(xs[i] for i in idx)
+
+
+def median_ci(xs: Sequence[float], seed: int = 0) -> tuple[float, float] | None:
+    """The bootstrap interval of the median of ``xs``."""
+    return bootstrap_ci(lambda idx: median_of(xs, idx), len(xs), seed=seed)
+
+
+def relative_half_width(xs: Sequence[float]) -> float:
+    """Half the width of the median's interval over the median (inf with fewer than 2 samples)."""
+    ci = median_ci(xs)
+    med = statistics.median(xs) if xs else 0.0
+    if ci is None or med <= 0:
+        return math.inf
+    return (ci[1] - ci[0]) / 2 / med

@@ -1,0 +1,54 @@
+"""The bench's statistics and the in-forward ideal: saving weights per sync point, paired bootstrap intervals."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from syncdrop.bench.stats import bootstrap_ci, median_ci, median_of, relative_half_width
+from syncdrop.bench.sync_timer import saving_weights
+from syncdrop.plan import parse_plan
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("none", [0, 0, 0, 0, 0, 0]),
+    ("all", [1, 0, 1, 0, 1, 0]),          # SPD drops each attention sync; the MLP one carries P + Z
+    ("blocks:1", [0, 0, 1, 0, 0, 0]),
+    ("partial:0.25", [1 - 16 / 64] * 6),  # k = round(0.25 x 64) = 16 of 64 channels still travel
+    ("partial:0", [1] * 6),               # nothing travels
+])
+def test_saving_weights(spec: str, want: list[float]) -> None:
+    base = parse_plan("none", 3)
+    assert saving_weights(base, parse_plan(spec, 3), 64) == pytest.approx(want)
+
+
+def test_saving_weights_against_a_partial_baseline() -> None:
+    """Relative to a baseline that already sends 1/2: a plan sending 1/4 saves half of each point's time."""
+    assert saving_weights(parse_plan("partial:0.5", 2), parse_plan("partial:0.25", 2), 64) == pytest.approx([0.5] * 4)
+
+
+def test_bootstrap_is_deterministic_and_brackets_the_median() -> None:
+    xs = [10.0, 12.0, 11.0, 30.0, 10.5, 11.5, 12.5, 9.5]
+    ci = median_ci(xs)
+    assert ci == median_ci(xs)  # seeded
+    assert ci[0] <= statistics.median(xs) <= ci[1] and ci[0] >= min(xs) and ci[1] <= max(xs)
+    assert median_ci([5.0] * 6) == (5.0, 5.0)
+    assert median_ci([5.0]) is None and relative_half_width([5.0]) == math.inf
+    assert relative_half_width([5.0] * 6) == 0.0
+
+
+def test_paired_bootstrap_of_a_difference() -> None:
+    """Interleaved reps share the machine's state: a plan always 1.0 faster than the baseline in the same
+    rep has a difference interval of exactly (1, 1), however noisy the reps are."""
+    base = [10.0, 14.0, 9.0, 20.0, 11.0, 13.0]
+    plan = [b - 1.0 for b in base]
+    ci = bootstrap_ci(lambda idx: statistics.median(base[i] - plan[i] for i in idx), len(base))
+    assert ci == pytest.approx((1.0, 1.0))
+    wide = bootstrap_ci(lambda idx: median_of(base, idx) - median_of(plan[::-1], idx), len(base))
+    assert wide[1] - wide[0] > 1.0  # unpaired (reversed): the noise shows
+
+
+def test_undefined_statistic_gives_no_interval() -> None:
+    assert bootstrap_ci(lambda idx: None, 5) is None
