@@ -84,9 +84,13 @@ zero-shot-spd: $(STAMP)
 lm-eval-parity: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
 
-# latency vs SPD fraction on 2 real ranks, without emulation and on two emulated links (results/latency/)
+# latency vs SPD fraction (0, 0.25, 0.5, 0.7, 1) on 2 and 3 real ranks, without emulation and on an emulated
+# link where the sync points measured inside the forward are 55% of prefill (results/operating_point/).
+# (results/latency/, which the cost model is calibrated on, was written by this script's earlier version:
+# its files record the commit and command in `provenance`.)
 latency: $(STAMP)
-	$(BIN)/python benchmarks/latency_sweep.py --tp 2 --prompt-len 256 --decode-tokens 8 --reps 5 --out results/latency
+	$(BIN)/python benchmarks/latency_sweep.py --tp 2 --shares 0.55 --out results/operating_point/tp2
+	$(BIN)/python benchmarks/latency_sweep.py --tp 3 --shares 0.55 --out results/operating_point/tp3
 
 # the cost model, calibrated on the committed latency files (no forward runs; seconds)
 cost-model: $(STAMP)

@@ -1,14 +1,20 @@
-"""Latency vs SPD fraction on real ranks, with no emulation and two emulated slow links.
+"""Latency vs SPD fraction on real ranks: no emulation, then emulated links at given communication shares.
 
-1. ``syncdrop bench --launch`` at SPD fractions 0, 0.25, 0.5, 0.75, 1 (plans ``frac:F``) with no
-   link emulation; from it, the compute time of a prefill (TTFT of plan none minus its measured
-   all-reduce time) and one all-reduce's time.
-2. Two emulated links whose bandwidth is chosen so that communication is ``--shares`` (default 30%
-   and 55%) of the prefill time of plan none, at ``--link-latency``; bench again with each.
-3. ``OUT/summary.json`` (all three runs and the chosen links), ``OUT/summary.md`` and
-   ``OUT/latency_vs_spd.png``.
+1. ``syncdrop bench --launch`` at SPD fractions ``--fractions`` (plans ``frac:F``) with no link
+   emulation. From it: the time of plan none's sync points *measured inside its forward* (the
+   slowest rank's time in each collective, ``sync_points.prefill_total_ms``) and the rest of its TTFT
+   (compute).
+2. For each target share ``s`` of ``--shares``: the emulated link (``--link-latency`` per ring step,
+   bandwidth solved from the ring formula of :mod:`syncdrop.bench.ring`) whose extra wait per sync
+   point makes in-forward communication ``s`` of plan none's TTFT, ``C = s / (1 - s) x compute``;
+   bench again with it. Rank skew grows with the link, so the measured share can miss the target:
+   with ``--refine`` (default) the link is corrected once from that run's own measurement and
+   benched again (the final run is the one kept).
+3. ``OUT/summary.json`` (every run, the links, target and measured shares), ``OUT/summary.md`` (per
+   link: TTFT, TTFT / dense, decode and realised / ideal, each with its 95% interval; the TTFT cut at
+   70% SPD beside the paper's 19.7%) and ``OUT/latency_vs_spd.png``.
 
-    python benchmarks/latency_sweep.py --tp 2 --prompt-len 256 --decode-tokens 16 --reps 7 --out results/latency
+    python benchmarks/latency_sweep.py --tp 2 --shares 0.55 --out results/operating_point/tp2
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from pathlib import Path
 
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 
-FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
+PAPER_TTFT_CUT_AT_70 = 0.197  # papers.md: LLaMA2-70B, 8 GPUs, 70% SPD
 
 
 def run_bench(args: argparse.Namespace, out: Path, bandwidth: float | None, latency_us: float | None) -> dict:
     cmd = [sys.executable, "-m", "syncdrop", "bench", "--launch", "--model", args.model, "--tp", str(args.tp),
-           "--plans", ",".join(f"frac:{f:g}" for f in FRACTIONS), "--prompt-len", str(args.prompt_len),
-           "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--json", str(out), "-q"]
+           "--plans", ",".join(f"frac:{f:g}" for f in args.fractions), "--prompt-len", str(args.prompt_len),
+           "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--max-reps", str(args.max_reps),
+           "--warmup", str(args.warmup), "--json", str(out), "-q"]
     if bandwidth is not None:
         cmd += ["--link-bandwidth", f"{bandwidth:.6g}B/s"]
     if latency_us:
@@ -37,23 +44,48 @@ def run_bench(args: argparse.Namespace, out: Path, bandwidth: float | None, late
     return json.loads(out.read_text())
 
 
-def link_for_share(base: dict, share: float, latency_s: float) -> float | None:
-    """Bandwidth (B/s) making communication ``share`` of plan none's prefill time, or None if the
-    measured link is already that slow."""
-    L = base["settings"]["num_layers"]
-    none = next(p for p in base["plans"] if p["dropped"] == 0)
-    t_ar = base["allreduce"]["prefill"]["median_ms"] / 1e3
-    nbytes = base["allreduce"]["prefill"]["bytes"]
-    compute = none["ttft_ms"] / 1e3 - 2 * L * t_ar
-    per_ar = share / (1 - share) * compute / (2 * L)  # target seconds per all-reduce
-    extra = per_ar - t_ar - latency_s
-    return nbytes / extra if extra > 0 else None
+def _none(run: dict) -> dict:
+    return next(p for p in run["plans"] if p["plan"] == run["baseline_plan"])
 
 
 def comm_share(run: dict) -> float:
-    L = run["settings"]["num_layers"]
-    none = next(p for p in run["plans"] if p["dropped"] == 0)
-    return 2 * L * run["allreduce"]["prefill"]["median_ms"] / none["ttft_ms"]
+    """In-forward communication of the baseline plan over its TTFT (medians)."""
+    return run["sync_points"]["prefill_total_ms"] / _none(run)["ttft_ms"]
+
+
+def extra_per_point_for_share(run: dict, share: float) -> float:
+    """Seconds to add to each of the baseline's sync points so that in-forward communication becomes
+    ``share`` of its TTFT, taking the rest of this run's TTFT as the compute (held fixed)."""
+    sync_s = run["sync_points"]["prefill_total_ms"] / 1e3
+    compute = _none(run)["ttft_ms"] / 1e3 - sync_s
+    target = share / (1 - share) * compute
+    return (target - sync_s) / len(run["sync_points"]["points"])
+
+
+def bandwidth_for_extra(extra_s: float, n_bytes: float, tp: int, latency_s: float) -> float | None:
+    """The bandwidth at which a ring all-reduce of ``n_bytes`` over ``tp`` ranks waits ``extra_s`` on top
+    of its ``2 (tp - 1) latency_s`` (None when the latency alone already exceeds it)."""
+    steps = 2 * (tp - 1)
+    rest = extra_s - steps * latency_s
+    return steps / tp * n_bytes / rest if rest > 0 else None
+
+
+def _ci(x: list[float] | None, fmt: str) -> str:
+    return "" if not x else " [" + fmt.format(x[0]) + ", " + fmt.format(x[1]) + "]"
+
+
+def table(run: dict) -> list[str]:
+    lines = ["| plan | SPD | TTFT ms | TTFT / dense | TTFT cut | decode ms/token | ideal saving ms (in forward) "
+             "| realised / ideal | isolated-ideal ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(run["plans"], key=lambda r: r["spd_fraction"]):
+        cut = 1 - r["ttft_over_baseline"]
+        ratio = "-" if r["realised_over_ideal"] is None else (
+            f"{r['realised_over_ideal']:.2f}{_ci(r['realised_over_ideal_ci'], '{:.2f}')}")
+        lines.append(f"| {r['plan']} | {r['spd_fraction']:.0%} | {r['ttft_ms']:.1f}{_ci(r['ttft_ci_ms'], '{:.1f}')} | "
+                     f"{r['ttft_over_baseline']:.3f}{_ci(r['ttft_over_baseline_ci'], '{:.3f}')} | {cut:.1%} | "
+                     f"{r['decode_ms']:.1f}{_ci(r['decode_ci_ms'], '{:.1f}')} | {r['ideal_saving_ms']:.1f} | {ratio} | "
+                     f"{r['ideal_saving_isolated_ms']:.1f} |")
+    return lines
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
@@ -67,14 +99,22 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         rows = sorted(run["plans"], key=lambda r: r["spd_fraction"])
         f = [r["spd_fraction"] * 100 for r in rows]
         label = f"{name} ({run['settings']['link_description']})"
-        axes[0].plot(f, [r["ttft_ms"] for r in rows], "o-", label=label)
-        axes[1].plot(f, [r["decode_ms"] for r in rows], "o-", label=label)
-        eff = [(x, r["realised_over_ideal"]) for x, r in zip(f, rows, strict=True) if r["realised_over_ideal"]]
-        axes[2].plot([x for x, _ in eff], [y for _, y in eff], "o-", label=label)
-    axes[0].set(xlabel="SPD fraction (%)", ylabel="time to first token (ms)", title="prefill")
-    axes[1].set(xlabel="SPD fraction (%)", ylabel="ms per decode step", title="decode")
-    axes[2].set(xlabel="SPD fraction (%)", ylabel="realised / ideal saving", title="TTFT saving efficiency")
-    axes[2].axhline(0.8, color="grey", ls="--", lw=0.8)
+        for ax, key in ((axes[0], "ttft"), (axes[1], "decode")):
+            y = [r[f"{key}_ms"] for r in rows]
+            err = [[r[f"{key}_ms"] - r[f"{key}_ci_ms"][0] for r in rows], [r[f"{key}_ci_ms"][1] - r[f"{key}_ms"]
+                                                                            for r in rows]]
+            ax.errorbar(f, y, yerr=err, marker="o", capsize=3, label=label)
+        eff = [(x, r) for x, r in zip(f, rows, strict=True) if r["realised_over_ideal"] is not None]
+        if eff:
+            y = [r["realised_over_ideal"] for _, r in eff]
+            ci = [r["realised_over_ideal_ci"] or [v, v] for (_, r), v in zip(eff, y, strict=True)]
+            axes[2].errorbar([x for x, _ in eff], y, yerr=[[v - c[0] for v, c in zip(y, ci, strict=True)],
+                                                           [c[1] - v for v, c in zip(y, ci, strict=True)]],
+                             marker="o", capsize=3, label=label)
+    axes[0].set(xlabel="SPD fraction (%)", ylabel="time to first token (ms)", title="prefill (95% intervals)")
+    axes[1].set(xlabel="SPD fraction (%)", ylabel="ms per decode step", title="decode (95% intervals)")
+    axes[2].set(xlabel="SPD fraction (%)", ylabel="realised / ideal (in-forward ideal)", title="TTFT saving efficiency")
+    axes[2].axhline(1.0, color="grey", ls="--", lw=0.8)
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -87,34 +127,61 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--shares", default="0.30,0.55", help="target communication shares of prefill")
-    ap.add_argument("--link-latency", type=float, default=50.0, help="emulated latency in microseconds")
-    ap.add_argument("--out", default="results/latency")
+    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=7, help="minimum interleaved reps per bench")
+    ap.add_argument("--max-reps", type=int, default=20, help="maximum reps (stops earlier at +-3%% intervals)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--fractions", default="0,0.25,0.5,0.7,1", help="SPD fractions (plans frac:F)")
+    ap.add_argument("--shares", default="0.55", help="target in-forward communication shares of plan none's TTFT")
+    ap.add_argument("--link-latency", type=float, default=50.0, help="emulated per-step latency, microseconds")
+    ap.add_argument("--no-refine", dest="refine", action="store_false",
+                    help="do not correct the link once from the emulated run's own measured share")
+    ap.add_argument("--out", default="results/operating_point/tp2")
     args = ap.parse_args()
+    args.fractions = [float(x) for x in args.fractions.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    lat = args.link_latency * 1e-6
     stems = {"no emulation": f"tp{args.tp}_none"}
     runs = {"no emulation": run_bench(args, out / f"{stems['no emulation']}.json", None, None)}
-    links: dict[str, dict] = {}
+    links: dict[str, dict] = {"no emulation": {"target_share": None}}
+    nbytes = runs["no emulation"]["allreduce"]["prefill"]["bytes"]
     for share in (float(s) for s in args.shares.split(",")):
-        bw = link_for_share(runs["no emulation"], share, args.link_latency * 1e-6)
         name = f"comm {share:.0%}"
-        links[name] = {"target_share": share, "bandwidth_Bps": bw, "latency_us": args.link_latency}
         stems[name] = f"tp{args.tp}_share{round(share * 100)}"
-        runs[name] = run_bench(args, out / f"{stems[name]}.json", bw, args.link_latency)
+        extra = extra_per_point_for_share(runs["no emulation"], share)
+        bw = bandwidth_for_extra(extra, nbytes, args.tp, lat)
+        tries = [{"bandwidth_Bps": bw}]
+        run = run_bench(args, out / f"{stems[name]}.json", bw, args.link_latency)
+        tries[-1]["measured_share"] = comm_share(run)
+        if args.refine and bw is not None and abs(comm_share(run) - share) > 0.05:
+            # what this link added per point, plus what is still missing at its own compute
+            added = bw and (2 * (args.tp - 1) * lat + 2 * (args.tp - 1) / args.tp * nbytes / bw)
+            bw = bandwidth_for_extra(added + extra_per_point_for_share(run, share), nbytes, args.tp, lat)
+            tries.append({"bandwidth_Bps": bw})
+            run = run_bench(args, out / f"{stems[name]}.json", bw, args.link_latency)
+            tries[-1]["measured_share"] = comm_share(run)
+        runs[name] = run
+        links[name] = {"target_share": share, "bandwidth_Bps": bw, "latency_us": args.link_latency, "tries": tries}
     for name, run in runs.items():
-        links.setdefault(name, {})["measured_share"] = comm_share(run)
-    lines = [f"SmolLM2, TP={args.tp}, prompt {args.prompt_len} tokens, {args.decode_tokens} decode tokens, "
-             f"median of {args.reps} interleaved repetitions; plans `frac:F` drop the last F of blocks.", ""]
+        links[name]["measured_share"] = comm_share(run)
+    lines = [f"{args.model}, TP={args.tp}, prompt {args.prompt_len} tokens, {args.decode_tokens} decode tokens; "
+             f"medians over interleaved reps with 95% bootstrap intervals; plans `frac:F` drop the last F of blocks. "
+             "Communication share = plan none's sync points timed inside its forward (slowest rank) / its TTFT.", ""]
     for name, run in runs.items():
-        lines += [f"### {name}: {run['settings']['link_description']} (communication = "
-                  f"{links[name]['measured_share']:.0%} of plan none's TTFT, measured)", ""]
-        lines.append((out / f"{stems[name]}.md").read_text().strip())
+        r70 = next((r for r in run["plans"] if abs(r["spd_fraction"] - 0.7) < 0.02), None)
+        share = links[name]["measured_share"]
+        lines += [f"### {name}: {run['settings']['link_description']} (communication {share:.0%} "
+                  f"of plan none's TTFT; {run['reps_run']} reps"
+                  + ("" if run["converged"] else ", intervals not all within +-3% at the rep limit") + ")", ""]
+        lines += table(run)
+        if r70 is not None:
+            lines += ["", f"At {r70['spd_fraction']:.0%} SPD: TTFT cut {1 - r70['ttft_over_baseline']:.1%} "
+                      f"(paper: {PAPER_TTFT_CUT_AT_70:.1%} for LLaMA2-70B on 8 GPUs)."]
         lines.append("")
     atomic_write_text(out / "summary.md", "\n".join(lines) + "\n")
-    atomic_write_json(out / "summary.json", {"provenance": provenance(), "links": links, "runs": runs})
+    atomic_write_json(out / "summary.json", {"provenance": provenance(), "command": sys.argv, "links": links,
+                                             "runs": runs})
     plot(runs, out / "latency_vs_spd.png")
     print("\n".join(lines))
     return 0

@@ -40,7 +40,7 @@ def _check_bench_link(args: argparse.Namespace, cfg) -> None:
     """The prefill all-reduce (batch x prompt x hidden) must be emulated in less than --dist-timeout."""
     import torch
 
-    from syncdrop.bench.link import check_within_timeout
+    from syncdrop.bench.ring import check_within_timeout
     from syncdrop.runtime import parse_dtype
 
     elem = torch.empty((), dtype=parse_dtype(args.dtype)).element_size()

@@ -78,7 +78,7 @@ def add_timeout_arg(p: argparse.ArgumentParser, default: float = 60.0) -> None:
 
 def link_from_args(args: argparse.Namespace):
     """The emulated link of ``--link-bandwidth`` / ``--link-latency`` (inactive when neither is given)."""
-    from syncdrop.bench.link import Link, parse_bandwidth, parse_latency
+    from syncdrop.bench.ring import Link, parse_bandwidth, parse_latency
 
     bw = getattr(args, "link_bandwidth", None)
     lat = getattr(args, "link_latency", None)

@@ -1,15 +1,14 @@
 """``syncdrop auto``: stage caching, the choice rule, which stages a changed input reruns, each fallback,
 and (slow) the whole pipeline on a tiny model, with the report rendered in headless Chromium.
 
-The choice rule (``syncdrop/auto/pipeline.py``, stage 7): among the candidates whose perplexity increase
-(best of distilled and zero-shot, relative to SPD 0) is within ``--max-ppl-increase``, the one with the
-lowest *predicted* TTFT on the user's link; the measured TTFT stands in only where the cost model could
-not be fitted.
+The choice rule (``syncdrop/auto/pipeline.py``, stage 7): a candidate other than dense only when its
+perplexity increase (best of distilled and zero-shot, relative to SPD 0) is within ``--max-ppl-increase``,
+its measured TTFT gain over dense on the user's link is significant (the 95% interval of TTFT / dense lies
+below 1) and the cost model predicts its TTFT within 15%; the fastest such by measured TTFT, else dense.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -46,9 +45,13 @@ def test_stages_are_cached_by_inputs(tmp_path: Path) -> None:
     assert st.run("x", {"k": 2}, work)["value"] == 3
 
 
-def _bench(ttft: dict[float, float]) -> dict:
-    return {"rows": [{"link": "user", "what": "ttft", "fraction": f, "measured_ms": t, "predicted_ms": t}
-                     for f, t in ttft.items()]}
+def _bench(rows: dict[float, tuple[float, tuple[float, float] | None, float | None]]) -> dict:
+    """Bench stage rows on the user link: per fraction (measured TTFT ms, 95% interval of TTFT / dense,
+    predicted TTFT ms); TTFT / dense is measured / the fraction-0 measurement."""
+    dense = rows[0.0][0]
+    return {"rows": [{"link": "user", "what": "ttft", "fraction": f, "measured_ms": m, "predicted_ms": pred,
+                      "ci_ms": [0.98 * m, 1.02 * m], "over_dense": m / dense, "over_dense_ci": ci}
+                     for f, (m, ci, pred) in rows.items()]}
 
 
 def _plans(fractions) -> dict[str, Any]:
@@ -56,87 +59,63 @@ def _plans(fractions) -> dict[str, Any]:
                            for f in fractions}}
 
 
+PPL = {"dense_ppl": 10.0, "rows": [{"fraction": 0.0, "ppl_zero_shot": 10.0, "ppl_distilled": 10.0},
+                                   {"fraction": 0.5, "ppl_zero_shot": 10.6, "ppl_distilled": 10.2},
+                                   {"fraction": 1.0, "ppl_zero_shot": 30.0, "ppl_distilled": 12.0}]}
+PLANS = _plans((0.0, 0.5, 1.0))
+# significant gains (intervals below 1) that the cost model predicts within 2%
+CLEAR = {0.0: (100.0, None, 101.0), 0.5: (80.0, (0.75, 0.85), 81.0), 1.0: (60.0, (0.55, 0.65), 61.0)}
+
+
 def test_choice_is_fastest_within_budget() -> None:
-    """The budget filters on the best variant's perplexity increase; a fixed --spd takes the nearest fraction."""
-    plans = _plans((0.0, 0.5, 1.0))
-    ppl = {"dense_ppl": 10.0, "rows": [{"fraction": 0.0, "ppl_zero_shot": 10.0, "ppl_distilled": 10.0},
-                                       {"fraction": 0.5, "ppl_zero_shot": 10.6, "ppl_distilled": 10.2},
-                                       {"fraction": 1.0, "ppl_zero_shot": 30.0, "ppl_distilled": 12.0}]}
-    bench = _bench({0.0: 100.0, 0.5: 80.0, 1.0: 60.0})
-    c = _choose(AutoSettings(max_ppl_increase=0.05), plans, ppl, bench)
-    assert c["chosen"]["fraction"] == 0.5 and c["chosen"]["variant"] == "distilled"
-    assert _choose(AutoSettings(max_ppl_increase=0.25), plans, ppl, bench)["chosen"]["fraction"] == 1.0
-    assert _choose(AutoSettings(max_ppl_increase=0.001), plans, ppl, bench)["chosen"]["fraction"] == 0.0
-    fixed = _choose(AutoSettings(max_ppl_increase=None, spd=0.4), plans, ppl, bench)
-    assert fixed["chosen"]["fraction"] == 0.5
+    """With significant, predicted gains the budget decides (best variant's perplexity increase); a fixed
+    --spd takes the nearest fraction."""
+    bench = _bench(CLEAR)
+    c = _choose(AutoSettings(max_ppl_increase=0.05), PLANS, PPL, bench)
+    assert c["chosen"]["fraction"] == 0.5 and c["chosen"]["variant"] == "distilled" and not c["recommend_dense"]
+    assert "TTFT / dense 0.800 [0.750, 0.850], cost model +1.2%" in c["reason"], c["reason"]
+    assert _choose(AutoSettings(max_ppl_increase=0.25), PLANS, PPL, bench)["chosen"]["fraction"] == 1.0
+    assert _choose(AutoSettings(max_ppl_increase=0.001), PLANS, PPL, bench)["chosen"]["fraction"] == 0.0
+    fixed = _choose(AutoSettings(max_ppl_increase=None, spd=0.4), PLANS, PPL, bench)
+    assert fixed["chosen"]["fraction"] == 0.5 and "its gain is significant" in fixed["reason"]
 
 
-def _demo() -> tuple[dict, dict, dict]:
-    """The committed demo's plans (rebuilt from its ppl rows), ppl and bench stage results."""
-    ppl = json.loads((DEMO / "ppl.json").read_text())
-    bench = json.loads((DEMO / "bench.json").read_text())
-    return _plans([r["fraction"] for r in ppl["rows"]]), ppl, bench
+@pytest.mark.parametrize("half, verdict", [
+    ((80.0, (0.75, 1.01), 81.0), "its TTFT gain is not significant (TTFT / dense 0.800, 95% interval [0.750, 1.010] "
+                                 "reaches 1)"),
+    ((80.0, None, 81.0), "no interval for its TTFT gain"),
+    ((80.0, (0.75, 0.85), 96.0), "the cost model disagrees with the measurement by +20.0% (more than 15%)"),
+    ((80.0, (0.75, 0.85), None), "the cost model could not be fitted"),
+])
+def test_choice_needs_a_significant_and_predicted_gain(half, verdict: str) -> None:
+    """At a budget only SPD 0.5 meets, 0.5 is chosen only with a gain whose interval excludes 0 and a
+    cost model within 15%; otherwise dense, and the reason says why 0.5 failed (and 1.0: over budget)."""
+    bench = _bench({**CLEAR, 0.5: half})
+    c = _choose(AutoSettings(max_ppl_increase=0.05), PLANS, PPL, bench)
+    assert c["chosen"]["fraction"] == 0.0 and c["recommend_dense"]
+    assert c["reason"].startswith("no plan pays on the emulated link within +5.0% perplexity, so syncdrop "
+                                  "recommends dense"), c["reason"]
+    assert f"SPD 0.5: {verdict}" in c["reason"] and "SPD 1: perplexity +20.00% is over the +5.0% budget" in c["reason"]
+    assert {x["fraction"]: x["verdict"] for x in c["candidates"]}[0.5].startswith(verdict)
+    fixed = _choose(AutoSettings(max_ppl_increase=None, spd=0.5), PLANS, PPL, bench)
+    assert fixed["chosen"]["fraction"] == 0.5 and verdict in fixed["reason"]
 
 
-def _pick(ppl: dict, bench: dict, budget: float, key: str) -> float:
-    """The documented rule written out here: fastest user-link TTFT by ``key`` among candidates within budget."""
-    within = [r["fraction"] for r in ppl["rows"]
-              if min(r["ppl_zero_shot"], r["ppl_distilled"]) / ppl["dense_ppl"] - 1 <= budget]
-    ttft = {r["fraction"]: r[key] for r in bench["rows"] if r["link"] == "user" and r["what"] == "ttft"}
-    return min(within, key=lambda f: ttft[f])
-
-
-def _swap_predicted_measured(bench: dict) -> dict:
-    b = copy.deepcopy(bench)
-    for r in b["rows"]:
-        r["predicted_ms"], r["measured_ms"] = r["measured_ms"], r["predicted_ms"]
-    return b
-
-
-def test_choice_follows_predicted_not_measured_ttft() -> None:
-    """On the committed demo's numbers at a 7% budget (candidates 0, 0.25, 0.5 qualify), the user link's
-    predicted TTFT ranks 0.5 fastest and the measured one ranks 0.25 fastest. The choice follows the
-    predicted order, and after swapping the two columns, the other one; with no prediction (cost model not
-    fitted) it follows the measured order. Rows of the un-emulated link are ignored when the user link ran."""
-    plans, ppl, bench = _demo()
-    s = AutoSettings(max_ppl_increase=0.07)
-    by_pred, by_meas = _pick(ppl, bench, 0.07, "predicted_ms"), _pick(ppl, bench, 0.07, "measured_ms")
-    assert (by_pred, by_meas) == (0.5, 0.25)  # the two orders disagree on these committed numbers
-    c = _choose(s, plans, ppl, bench)
-    assert c["chosen"]["fraction"] == by_pred and c["chosen"]["ttft_basis"] == "predicted"
-    assert c["chosen"]["variant"] == "distilled" and "predicted TTFT on the user link" in c["reason"]
-    assert c["plan"] == plans["candidates"]["0.5"]["path"]
-    user = {r["fraction"]: r["predicted_ms"] for r in bench["rows"] if r["link"] == "user" and r["what"] == "ttft"}
-    assert c["chosen"]["predicted_ttft_ms"] == user[0.5]
-
-    swapped = _swap_predicted_measured(bench)
-    assert _pick(ppl, swapped, 0.07, "predicted_ms") == by_meas
-    assert _choose(s, plans, ppl, swapped)["chosen"]["fraction"] == by_meas
-
-    unfitted = copy.deepcopy(bench)
-    for r in unfitted["rows"]:
-        r["predicted_ms"] = None
-    c = _choose(s, plans, ppl, unfitted)
-    assert c["chosen"]["fraction"] == by_meas and c["chosen"]["ttft_basis"] == "measured"
-    assert "lowest measured TTFT" in c["reason"]
-
-    other_link = copy.deepcopy(bench)  # reverse the un-emulated link's order: must not matter
-    for r in other_link["rows"]:
-        if r["link"] == "none":
-            r["predicted_ms"] = r["measured_ms"] = 1000.0 * (1 + r["fraction"])
-    assert _choose(s, plans, ppl, other_link)["chosen"]["fraction"] == by_pred
+def test_choice_ranks_by_measured_ttft_on_the_decision_link() -> None:
+    """Among qualifying candidates the lowest measured TTFT wins (not the predicted one), and rows of the
+    un-emulated link are ignored when the user link ran."""
+    bench = _bench({0.0: (100.0, None, 101.0), 0.5: (60.0, (0.55, 0.65), 66.0), 1.0: (65.0, (0.6, 0.7), 62.0)})
+    bench["rows"] += [{**r, "link": "none", "measured_ms": 1000.0 * (1 - r["fraction"]) + 1} for r in bench["rows"]]
+    c = _choose(AutoSettings(max_ppl_increase=0.25), PLANS, PPL, bench)
+    assert c["chosen"]["fraction"] == 0.5 and c["decision_link"] == "user"
 
 
 def test_nothing_within_budget_recommends_dense_and_says_so() -> None:
-    """Every SPD candidate over budget: dense (SPD 0) is chosen. A budget nothing meets (here negative,
-    below dense itself) falls back to the smallest fraction and the reason says that no candidate met it."""
-    plans, ppl, bench = _demo()
-    c = _choose(AutoSettings(max_ppl_increase=0.01), plans, ppl, bench)  # the best SPD candidate is +3.4%
-    assert c["chosen"]["fraction"] == 0.0 and c["chosen"]["ppl_increase"] == 0.0
-    assert c["chosen"]["variant"] == "zero-shot" and c["model_dir"].endswith("spd000")
-    c = _choose(AutoSettings(max_ppl_increase=-0.01), plans, ppl, bench)
-    assert c["chosen"]["fraction"] == 0.0
-    assert re.search(r"no candidate .*within", c["reason"]), c["reason"]
+    """A budget nothing meets (negative, below dense itself): dense, and the reason lists each candidate."""
+    c = _choose(AutoSettings(max_ppl_increase=-0.01), PLANS, PPL, _bench(CLEAR))
+    assert c["chosen"]["fraction"] == 0.0 and c["chosen"]["variant"] == "zero-shot"
+    assert c["model_dir"].endswith("spd000")
+    assert re.search(r"no plan pays .*SPD 0.5: perplexity \+2.00% is over", c["reason"]), c["reason"]
 
 
 def test_auto_bad_input(capsys) -> None:
@@ -233,12 +212,11 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
     assert json.loads((out / "ppl.json").read_text())["windows"] == 2
 
 
-def test_cost_model_not_fitted_chooses_by_measured(tiny_llama_dir, auto_env, tmp_path, monkeypatch,
-                                                   capsys) -> None:
+def test_cost_model_not_fitted_recommends_dense(tiny_llama_dir, auto_env, tmp_path, monkeypatch, capsys) -> None:
     """A bench file the cost model cannot be fitted to (the committed no-emulation file with its two
     all-reduce medians raised to 50 ms, so 60 sync points would take longer than the measured TTFT):
-    the bench stage records the error, predictions are None, the choice is the lowest measured TTFT
-    within budget (computed here from ppl.json and bench.json), and the report says why."""
+    the bench stage records the error, predictions are None, and since no prediction confirms any gain
+    (nor, in this file from before intervals, any interval) the choice is dense, and the report says why."""
     counts, calls, data = auto_env
     bad = json.loads((RESULTS / "latency" / "tp2_none.json").read_text())
     for phase in ("prefill", "decode"):
@@ -255,14 +233,11 @@ def test_cost_model_not_fitted_chooses_by_measured(tiny_llama_dir, auto_env, tmp
     measured = {r["fraction"]: r["measured_ms"] for r in bench["rows"] if r["what"] == "ttft"}
     file_ttft = {p["spd_fraction"]: p["ttft_ms"] for p in bad["plans"]}
     assert all(measured[f] == file_ttft[f] for f in (0.0, 0.5, 1.0))
-    ppl = json.loads((out / "ppl.json").read_text())
-    within = [r["fraction"] for r in ppl["rows"]
-              if min(r["ppl_zero_shot"], r["ppl_distilled"]) / ppl["dense_ppl"] - 1 <= 1.0]
     choice = json.loads((out / "choice.json").read_text())
-    assert choice["chosen"]["fraction"] == min(within, key=lambda f: measured[f])
-    assert choice["chosen"]["ttft_basis"] == "measured"
+    assert choice["chosen"]["fraction"] == 0.0 and choice["recommend_dense"]
+    assert all(c["predicted_ttft_ms"] is None for c in choice["candidates"])
     assert "could not be fitted" in (out / "report.md").read_text()
-    assert "measured TTFT" in capsys.readouterr().out
+    assert "recommends dense" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- slow: real subprocesses

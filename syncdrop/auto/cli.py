@@ -35,7 +35,10 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=4)
     p.add_argument("--reps", type=int, default=7,
-                   help="interleaved repetitions per plan in the latency benchmark; medians are reported (default 7)")
+                   help="interleaved repetitions per plan in the latency benchmark, at least (default 7)")
+    p.add_argument("--max-reps", type=int, default=30,
+                   help="repeat the benchmark up to this many reps until every median TTFT has a 95%% interval "
+                        "within +-3%% (default 30)")
     p.add_argument("--data-dir", default=None)
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="run directory (stages cached here; report.html, report.md)")
@@ -53,17 +56,21 @@ def cmd_auto(args: argparse.Namespace) -> int:
     except ValueError:
         raise SyncdropError(f"--fractions {args.fractions!r}: expected comma-separated numbers") from None
     for name in ("calib_samples", "seq_len", "distill_samples", "distill_epochs", "eval_windows", "zs_limit",
-                 "prompt_len", "decode_tokens", "reps"):
+                 "prompt_len", "decode_tokens", "reps", "max_reps"):
         if getattr(args, name) < 1:
             raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_reps < args.reps:
+        raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
     budget = args.max_ppl_increase if args.max_ppl_increase is not None else (None if args.spd is not None else 0.05)
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
-                     args.reps, args.data_dir, args.device)
+                     args.reps, args.data_dir, args.device, args.max_reps)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
+    ttft = "" if c["measured_ttft_ms"] is None else f", measured TTFT {c['measured_ttft_ms']:.1f} ms"
     print(f"chosen: SPD fraction {c['fraction']:g} ({c['variant']}), perplexity {c['ppl']:.3f} "
-          f"({c['ppl_increase']:+.2%}), {c['ttft_basis']} TTFT {c['predicted_ttft_ms']:.1f} ms")
+          f"({c['ppl_increase']:+.2%}){ttft}")
+    print(f"reason: {res['reason']}")
     print(f"report: {res['report_html']} (and {res['report_md']})")
     return 0

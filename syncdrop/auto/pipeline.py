@@ -24,9 +24,12 @@ Stages:
    (skipped when lm-eval is not installed or no task data can be found).
 6. ``bench``: ``syncdrop bench --launch`` without and with the link emulation (time to first token,
    decode step per candidate), and the cost model calibrated on the first, predicting the second.
-7. ``choice``: the candidate with the lowest *predicted* TTFT on the user's link whose measured
-   perplexity increase (distilled, else zero-shot) stays within the budget (``--max-ppl-increase``;
-   when none does, the smallest fraction, and the reason says so), or the candidate nearest ``--spd``.
+7. ``choice``: a candidate other than dense only when the measurement supports it: its perplexity
+   increase (distilled, else zero-shot) is within ``--max-ppl-increase``, its measured TTFT gain over
+   dense on the user's emulated link is significant (the 95% interval of TTFT / dense lies below 1)
+   and the cost model predicts its TTFT within 15%; the fastest such one by measured TTFT. When none
+   qualifies: dense, and the reason says why each candidate failed. ``--spd`` takes the nearest
+   fraction (the reason says whether its gain is significant).
 8. ``report``: ``report.md`` and a self-contained ``report.html`` (plots embedded) with the JSON
    behind every figure (:mod:`syncdrop.auto.report`).
 """
@@ -73,6 +76,7 @@ class AutoSettings:
     reps: int = 7
     data_dir: str | None = None
     device: str = "auto"  # where profile, distillation, perplexity and the bench run (not part of stage keys)
+    max_reps: int = 30
 
     def runtime(self):
         """The single-process runtime of the in-process stages (the bench runs `syncdrop bench --launch`)."""
@@ -115,7 +119,7 @@ class Stages:
 
 
 def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[str, Any]:
-    from syncdrop.bench.link import Link, parse_bandwidth, parse_latency
+    from syncdrop.bench.ring import Link, parse_bandwidth, parse_latency
 
     root = Path(out)
     if root.exists() and not root.is_dir():
@@ -144,7 +148,8 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                   lambda: _distill(s, root, plans, calib))
     ppl = st.run("ppl", [dist["inputs_sha256"], s.eval_windows, s.seq_len, test.info()],
                  lambda: _ppl(s, root, plans, test))
-    bench = st.run("bench", [plans["inputs_sha256"], link.to_dict(), s.prompt_len, s.decode_tokens, s.reps],
+    bench = st.run("bench", [plans["inputs_sha256"], link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
+                             s.max_reps],
                    lambda: _bench(s, root, plans, link))
     choice = st.run("choice", [ppl["inputs_sha256"], bench["inputs_sha256"], s.max_ppl_increase, s.spd],
                     lambda: _choose(s, plans, ppl, bench))
@@ -208,7 +213,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     if any(t != "zs" for t in tiers.values()):
         data, w = _windows(source, calib or "auto:valid", s.seq_len, s.distill_samples + 1, s.data_dir)
         m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, w[:-1], w[-1:], bank,
-                    DistillSettings(s.lr, s.distill_epochs), data.info())
+                    DistillSettings(s.lr, s.distill_epochs), data.info(), device=s.runtime().device)
         trained = m["blocks"]
     models = {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
@@ -261,8 +266,8 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
 
     paths = [c["path"] for c in sorted(plans["candidates"].values(), key=lambda c: c["fraction"])]
     common = ["--model", s.model, "--tp", str(s.tp), "--launch", "--plans", ",".join(paths), "--prompt-len",
-              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "--device", s.device,
-              "-q"]
+              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "--max-reps",
+              str(s.max_reps), "--device", s.device, "-q"]
     if s.data_dir:
         common += ["--data-dir", s.data_dir]
     noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
@@ -289,46 +294,89 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
             rows += [{"file": str(f), "what": w, "plan": p["plan"], "spd_fraction": p["spd_fraction"],
                       "measured_ms": p[f"{w}_ms"], "predicted_ms": None}
                      for p in d["plans"] for w in ("ttft", "decode")]
-    samples = {(str(f), p["plan"], w): p.get(f"{w}_samples_ms") for f in files
-               for p in json.loads(Path(f).read_text())["plans"] for w in ("ttft", "decode")}
+    measured = {(str(f), p["plan"], w): p for f in files
+                for p in json.loads(Path(f).read_text())["plans"] for w in ("ttft", "decode")}
     out = []
     for r in rows:
         if r["what"] in ("ttft", "decode"):
-            out.append({"link": "user" if r["file"] == target and link.active else "none", "what": r["what"],
+            m, w = measured.get((str(r["file"]), r["plan"], r["what"]), {}), r["what"]
+            out.append({"link": "user" if r["file"] == target and link.active else "none", "what": w,
                         "fraction": frac.get(r["plan"], r["spd_fraction"]), "measured_ms": r["measured_ms"],
-                        "predicted_ms": r["predicted_ms"],
-                        "samples_ms": samples.get((str(r["file"]), r["plan"], r["what"]))})
+                        "predicted_ms": r["predicted_ms"], "samples_ms": m.get(f"{w}_samples_ms"),
+                        "ci_ms": m.get(f"{w}_ci_ms"), "over_dense": m.get(f"{w}_over_baseline"),
+                        "over_dense_ci": m.get(f"{w}_over_baseline_ci")})
     return {"files": [str(f) for f in files], "calibration": calibration, "rows": out}
 
 
+MODEL_AGREEMENT = 0.15  # the cost model must predict a chosen plan's TTFT within this relative error
+
+
+def _verdict(c: dict[str, Any], budget: float | None) -> str | None:
+    """Why candidate ``c`` (not dense) cannot be chosen, or None when it can (see :func:`_choose`)."""
+    if budget is not None and not c["ppl_increase"] <= budget:
+        return f"perplexity {c['ppl_increase']:+.2%} is over the {budget:+.1%} budget"
+    ci = c["ttft_over_dense_ci"]
+    if ci is None:
+        return "no interval for its TTFT gain (fewer than 2 reps)"
+    if ci[1] >= 1:
+        return f"its TTFT gain is not significant (TTFT / dense {c['ttft_over_dense']:.3f}, 95% interval " \
+               f"[{ci[0]:.3f}, {ci[1]:.3f}] reaches 1)"
+    if c["prediction_error"] is None:
+        return "the cost model could not be fitted, so no prediction confirms the gain"
+    if abs(c["prediction_error"]) > MODEL_AGREEMENT:
+        return f"the cost model disagrees with the measurement by {c['prediction_error']:+.1%} " \
+               f"(more than {MODEL_AGREEMENT:.0%})"
+    return None
+
+
 def _choose(s: AutoSettings, plans, ppl, bench) -> dict[str, Any]:
+    """The decision, supported by the measurement: a plan other than dense is chosen only when (1) its
+    perplexity increase is within the budget, (2) its measured TTFT gain over dense on the decision link
+    (the user's emulated link, else none) is significant: the 95% interval of TTFT / dense lies below 1,
+    and (3) the cost model predicts its TTFT there within 15%. Among those, the lowest measured TTFT;
+    when none qualifies, dense, and the reason lists why each candidate failed. ``--spd`` picks the
+    nearest fraction regardless, and the reason says whether its gain is significant."""
     link = "user" if any(r["link"] == "user" for r in bench["rows"]) else "none"
-    ttft = {r["fraction"]: (r["predicted_ms"] if r["predicted_ms"] is not None else r["measured_ms"])
-            for r in bench["rows"] if r["what"] == "ttft" and r["link"] == link}
-    basis = "predicted" if all(r["predicted_ms"] is not None for r in bench["rows"]) else "measured"
+    ttft = {r["fraction"]: r for r in bench["rows"] if r["what"] == "ttft" and r["link"] == link}
     dense = ppl["dense_ppl"]
     cands = []
     for r in ppl["rows"]:
         best = min(r["ppl_zero_shot"], r["ppl_distilled"])
         variant = "distilled" if r["ppl_distilled"] < r["ppl_zero_shot"] else "zero-shot"
-        inc = best / dense - 1 if dense else math.nan
-        cands.append({"fraction": r["fraction"], "ppl": best, "variant": variant, "ppl_increase": inc,
-                      "predicted_ttft_ms": ttft.get(r["fraction"]), "ttft_basis": basis})
+        b = ttft.get(r["fraction"], {})
+        meas, pred = b.get("measured_ms"), b.get("predicted_ms")
+        cands.append({"fraction": r["fraction"], "ppl": best, "variant": variant,
+                      "ppl_increase": best / dense - 1 if dense else math.nan,
+                      "measured_ttft_ms": meas, "ttft_ci_ms": b.get("ci_ms"), "predicted_ttft_ms": pred,
+                      "ttft_over_dense": b.get("over_dense"), "ttft_over_dense_ci": b.get("over_dense_ci"),
+                      "prediction_error": pred / meas - 1 if pred is not None and meas else None})
+    dense_c = min(cands, key=lambda c: c["fraction"])
+    for c in cands:
+        c["verdict"] = "dense" if c is dense_c else (_verdict(c, s.max_ppl_increase) or "qualifies")
+    where = f"on the {'emulated' if link == 'user' else 'un-emulated'} link"
     if s.spd is not None:
         pick = min(cands, key=lambda c: abs(c["fraction"] - s.spd))
-        why = f"--spd {s.spd}"
+        note = _verdict(pick, None) or "its gain is significant"
+        why = f"--spd {s.spd}" + ("" if pick is dense_c else f" ({where}: {note})")
+        recommend = pick is dense_c
     else:
-        ok = [c for c in cands if c["ppl_increase"] <= s.max_ppl_increase and c["predicted_ttft_ms"] is not None]
+        ok = [c for c in cands if c["verdict"] == "qualifies"]
         if ok:
-            pick = min(ok, key=lambda c: c["predicted_ttft_ms"])
-            why = (f"lowest {basis} TTFT on the {link} link among candidates within +{s.max_ppl_increase:.1%} "
-                   "perplexity")
+            pick = min(ok, key=lambda c: c["measured_ttft_ms"])
+            ci = pick["ttft_over_dense_ci"]
+            why = (f"fastest measured TTFT {where} among candidates within {s.max_ppl_increase:+.1%} perplexity "
+                   f"whose gain is significant and predicted: TTFT / dense {pick['ttft_over_dense']:.3f} "
+                   f"[{ci[0]:.3f}, {ci[1]:.3f}], cost model {pick['prediction_error']:+.1%}")
+            recommend = False
         else:
-            pick = min(cands, key=lambda c: c["fraction"])
-            why = (f"no candidate is within +{s.max_ppl_increase:.1%} perplexity: the smallest SPD fraction "
-                   f"({pick['fraction']:g}) instead")
+            pick = dense_c
+            failed = "; ".join(f"SPD {c['fraction']:g}: {c['verdict']}" for c in cands if c is not dense_c)
+            why = (f"no plan pays {where} within {s.max_ppl_increase:+.1%} perplexity, so syncdrop recommends "
+                   f"dense ({failed})")
+            recommend = True
     key = f"{pick['fraction']:g}"
-    return {"candidates": cands, "chosen": pick, "reason": why, "plan": plans["candidates"][key]["path"],
+    return {"candidates": cands, "chosen": pick, "reason": why, "recommend_dense": recommend, "decision_link": link,
+            "plan": plans["candidates"][key]["path"],
             "model_dir": str(Path(plans["candidates"][key]["path"]).parent.parent / "models" /
                              f"spd{round(pick['fraction'] * 100):03d}")}
 

@@ -67,15 +67,15 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
             rows = sorted((r for r in b if r["link"] == lk and r["what"] == "ttft"), key=lambda r: r["fraction"])
             pts = [(r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in rows]
             line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({names[lk]})")[0]
-            if all(r.get("samples_ms") for r in rows):  # whiskers: the fastest and slowest repetition
-                lo = [r["measured_ms"] - min(r["samples_ms"]) for r in rows]
-                hi = [max(r["samples_ms"]) - r["measured_ms"] for r in rows]
+            if all(r.get("ci_ms") for r in rows):  # whiskers: the 95% interval of the median
+                lo = [r["measured_ms"] - r["ci_ms"][0] for r in rows]
+                hi = [r["ci_ms"][1] - r["measured_ms"] for r in rows]
                 ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lo, hi], fmt="none",
                             ecolor=line.get_color(), capsize=3, alpha=0.7)
             if all(p[2] is not None for p in pts):
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({names[lk]})")
         ax.set_xlabel("SPD fraction")
-        ax.set_ylabel("TTFT ms (median; bars: min-max)")
+        ax.set_ylabel("TTFT ms (median; bars: 95% interval)")
         ax.legend(fontsize=8)
 
     figs["latency"] = ("Time to first token vs SPD fraction", _figure(lat, root / "fig_latency.png"))
@@ -98,25 +98,30 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
           f"Link: {link.describe()}. Accuracy budget: "
           + (f"+{s.max_ppl_increase:.1%} perplexity" if s.spd is None else f"SPD fraction {s.spd}") + ".", "",
           f"**Choice: SPD fraction {c['fraction']:g} ({c['variant']})**: perplexity {c['ppl']:.3f} "
-          f"({c['ppl_increase']:+.2%} vs dense), {c['ttft_basis']} TTFT {c['predicted_ttft_ms']:.1f} ms. "
+          f"({c['ppl_increase']:+.2%} vs dense), measured TTFT {_ms(c['measured_ttft_ms'], c['ttft_ci_ms'])} "
+          f"(TTFT / dense {_ratio(c['ttft_over_dense'], c['ttft_over_dense_ci'])}). "
           f"Reason: {choice['reason']}.", "",
           f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
           f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
           "", "## Candidates", "",
+          f"TTFT on the {'emulated' if link.active else 'un-emulated'} link: medians with 95% bootstrap intervals "
+          "over interleaved reps. A candidate qualifies when it is within the perplexity budget, its TTFT / dense "
+          "interval lies below 1, and the cost model predicts its TTFT within 15%.", "",
           "| SPD | all-reduces / forward | ppl zero-shot | ppl distilled | best vs dense | TTFT measured ms "
-          "| TTFT predicted ms |",
-          "|---:|---:|---:|---:|---:|---:|---:|"]
-    tl = "user" if link.active else "none"
+          "| TTFT / dense | TTFT predicted ms | verdict |",
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     collectives = _collectives(plans)
     for r, cand in zip(rows, sorted(choice["candidates"], key=lambda x: x["fraction"]), strict=True):
-        meas = next((x["measured_ms"] for x in b if x["fraction"] == r["fraction"] and x["what"] == "ttft"
-                     and x["link"] == tl), None)
+        pred = cand["predicted_ttft_ms"]
+        err = cand["prediction_error"]
+        pcell = "-" if pred is None else f"{pred:.1f}" + ("" if err is None else f" ({err:+.1%})")
         md.append(f"| {r['fraction']:g} | {collectives.get(r['fraction'], '-')} | {r['ppl_zero_shot']:.3f} | "
-                  f"{r['ppl_distilled']:.3f} | {cand['ppl_increase']:+.2%} | {'' if meas is None else f'{meas:.1f}'} | "
-                  f"{cand['predicted_ttft_ms']:.1f} |")
+                  f"{r['ppl_distilled']:.3f} | {cand['ppl_increase']:+.2%} | "
+                  f"{_ms(cand['measured_ttft_ms'], cand['ttft_ci_ms'])} | "
+                  f"{_ratio(cand['ttft_over_dense'], cand['ttft_over_dense_ci'])} | {pcell} | {cand['verdict']} |")
     if "error" in bench["calibration"]:
-        md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}); the predicted "
-               "column repeats the measured TTFT."]
+        md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}), so no prediction "
+               "can confirm a measured gain."]
     md += ["", f"Perplexity: {ppl['dataset']}, first {ppl['windows']} windows of {ppl['seq_len']} tokens. "
            f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", "", *_data_note(prof, ppl)]
     if "results" in zs:
@@ -144,6 +149,18 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
                "report_html": str(root / "report.html"), "provenance": provenance()}
     atomic_write_json(root / "summary.json", summary)
     return summary
+
+
+def _ms(x: float | None, ci) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}" + ("" if not ci else f" [{ci[0]:.1f}, {ci[1]:.1f}]")
+
+
+def _ratio(x: float | None, ci) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" + ("" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
 
 
 def _collectives(plans: dict[str, Any]) -> dict[float, int]:

@@ -12,7 +12,7 @@ Communication (one all-reduce of ``n`` bytes per rank, ring algorithm, alpha-bet
 reduce-scatter plus an all-gather, ``N - 1`` steps each, every step moving ``n / N`` bytes. An
 *emulated* slow link (:mod:`syncdrop.bench.link`) adds, after the real collective, the same ring
 formula on the emulated link (``alpha`` = ``--link-latency``, ``beta`` = ``--link-bandwidth``; one
-function, :func:`syncdrop.bench.link.ring_all_reduce_s`, serves both)::
+function, :func:`syncdrop.bench.ring.ring_all_reduce_s`, serves both)::
 
     T_emu(n, N) = 2 (N - 1) * latency + 2 (N - 1) / N * n / bandwidth
 
@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from syncdrop.bench.link import Link, ring_all_reduce_s
+from syncdrop.bench.ring import Link, ring_all_reduce_s
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
 from syncdrop.plan import SyncPlan, parse_plan
@@ -136,7 +136,7 @@ def _bench_model_config(name: str, hidden: int, layers: int, where: str) -> Mode
 
 def ring_allreduce_time(n_bytes: float, n_ranks: int, alpha: float, beta: float) -> float:
     """``2(N-1) alpha + 2(N-1)/N * n_bytes / beta`` seconds; 0 for one rank
-    (:func:`syncdrop.bench.link.ring_all_reduce_s`, the formula the link emulation waits)."""
+    (:func:`syncdrop.bench.ring.ring_all_reduce_s`, the formula the link emulation waits)."""
     return ring_all_reduce_s(n_bytes, n_ranks, alpha, beta)
 
 

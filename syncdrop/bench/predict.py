@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def parse_links(text: str) -> list[cm.ClusterLink]:
     """``'300GB/s,10GB/s@10us'`` -> links; alpha defaults by bandwidth class."""
-    from syncdrop.bench.link import parse_bandwidth, parse_latency
+    from syncdrop.bench.ring import parse_bandwidth, parse_latency
 
     out = []
     items = [t.strip() for t in text.split(",") if t.strip()]
@@ -223,7 +223,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         md.append(text)
 
     if args.cluster:
-        from syncdrop.bench.link import parse_bandwidth, parse_latency
+        from syncdrop.bench.ring import parse_bandwidth, parse_latency
 
         cfg = cm.get_model(args.cluster)
         if args.gpus < 1:

@@ -36,7 +36,8 @@ def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int
 
 def init_params(cfg: ModelConfig, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
     """GPT-2 / Megatron initialisation: N(0, std) matrices, output projections (o, down) scaled by
-    1/sqrt(2L), norm weights 1. Seeded; float32."""
+    1/sqrt(2L), norm weights 1. Seeded; float32, drawn on the host (the same values for every device;
+    the caller moves them)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in model_names(cfg):
@@ -51,8 +52,9 @@ def init_params(cfg: ModelConfig, seed: int, std: float = 0.02) -> dict[str, tor
 
 def tp_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, layout: ShardLayout, plan: SyncPlan, comm,
                ranks: list[int], ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``(B, S, V)`` of token ids ``(B, S)``, differentiable in ``params``."""
-    m = TPModel(cfg, params, layout, comm, plan, ranks=ranks)
+    """Logits ``(B, S, V)`` of token ids ``(B, S)``, differentiable in ``params``, computed on the
+    parameters' device (where the ids are moved)."""
+    m = TPModel(cfg, params, layout, comm, plan, ranks=ranks, device=params["embed"].device)
     B, S = ids.shape
     return m.logits(m.forward_blocks(m.embed_tokens(ids), 0, m.context(B, S)))
 
@@ -80,7 +82,8 @@ def hf_name(name: str) -> str:
 
 def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
               extra: dict | None = None) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) for ``LlamaForCausalLM``."""
+    """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) for ``LlamaForCausalLM``, from
+    ``params`` on any device (float32 host copies are written)."""
     from safetensors.torch import save
 
     from syncdrop.io_utils import atomic_write_bytes, atomic_write_json
@@ -96,7 +99,7 @@ def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **(extra or {}),
     }
-    tensors = {hf_name(k): v.detach().float().contiguous() for k, v in params.items()}
+    tensors = {hf_name(k): v.detach().float().cpu().contiguous() for k, v in params.items()}
     atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -23,7 +23,6 @@ import io
 import json
 import logging
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from syncdrop.caat.data import load_corpus, token_stream, train_batch, train_tok
 from syncdrop.caat.model import export_hf, init_params, llama_config, lm_loss, tp_forward
 from syncdrop.caat.settings import TrainSettings
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.device import device_clock
 from syncdrop.parallel.sharding import ShardLayout, check_tp
 from syncdrop.plan import SyncPlan
 
@@ -107,6 +107,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     runtime = runtime or choose_runtime("simulated", "cpu")
     dist_ctx = runtime.start()
     device = runtime.device
+    clock = device_clock(device)  # synchronises the device before each reading (tokens/s)
     out = Path(out_dir)
     main = dist_ctx is None or dist_ctx.is_main
     settings = {**asdict(s), "corpus": str(Path(corpus).resolve())}
@@ -153,7 +154,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
                disable=not (progress and main))
     while state["step"] < s.steps:
         step = state["step"]
-        t0 = time.perf_counter()
+        t0 = clock()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s)
         batch = train_batch(train_ids, s.batch, s.seq_len, s.seed, step).to(device)
@@ -165,13 +166,14 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
         torch.nn.utils.clip_grad_norm_(list(params.values()), s.clip)
         opt.step()
         state["step"] = step + 1
-        state["train_loss"].append(loss.item())
-        state["tokens_per_s"].append(s.batch * s.seq_len / (time.perf_counter() - t0))
+        step_loss = loss.item()  # the one host read of the step
+        state["train_loss"].append(step_loss)
+        state["tokens_per_s"].append(s.batch * s.seq_len / (clock() - t0))
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{state['tokens_per_s'][-1]:.0f}")
+        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{state['tokens_per_s'][-1]:.0f}")
         if state["step"] % s.val_every == 0 or state["step"] == s.steps:
             state["val_loss"].append([state["step"], val_loss()])
-            log.info("step %d: train %.4f val %.4f", state["step"], loss.item(), state["val_loss"][-1][1])
+            log.info("step %d: train %.4f val %.4f", state["step"], step_loss, state["val_loss"][-1][1])
         if main and (state["step"] % s.ckpt_every == 0 or state["step"] == s.steps):
             _save(out / "checkpoint", params, opt, state)
     bar.close()

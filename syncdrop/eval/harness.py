@@ -10,8 +10,16 @@ runs lm-eval's own CLI, so ``syncdrop-lm-eval --model syncdrop --model_args mode
 before ``lm_eval.simple_evaluate(model="syncdrop", ...)``, or pass a :class:`SyncdropLM` instance.
 
 Model args: ``model`` (spec as for ``--model``), ``tp``, ``plan`` (spec; inside comma-separated
-``--model_args`` write ``blocks:0;3;7`` or use the JSON form), ``dtype``, ``executor``,
-``drop_variant``, ``max_length``, ``max_gen_toks``, ``batch_size``, ``dist_timeout``, ``exact_reduce``.
+``--model_args`` write ``blocks:0;3;7`` or use the JSON form), ``dtype``, ``executor``, ``device``
+(``auto | cpu | cuda | cuda:N``; lm-eval's own ``--device`` lands here too), ``backend`` (``auto | gloo
+| nccl``, distributed runtime only), ``drop_variant``, ``max_length``, ``max_gen_toks``, ``batch_size``,
+``dist_timeout``, ``exact_reduce``. The model is built by :func:`syncdrop.runtime.choose_runtime` and
+:meth:`~syncdrop.runtime.Runtime.build`, as every syncdrop command builds its models.
+
+Devices: requests are tokenized on the host; each batch's token ids go to the model's device, the
+log-probabilities are gathered there, and one copy per batch brings them back for the per-request
+sums. Generation keeps its tokens and sampling generator on the device and reads back one token id
+per step (stop strings are checked on the host).
 
 Conventions (those of lm-eval's ``hf`` model, :class:`lm_eval.models.huggingface.HFLM`, so scores
 match it): a (context, continuation) pair is tokenized as ``enc(context + continuation)`` split
@@ -79,17 +87,19 @@ class SyncdropLM(TemplateLM):
     def __init__(self, model: str = "smollm2", tp: int = 1, plan: str | None = None, dtype: str = "float32",
                  executor: str = "auto", drop_variant: str = "drop", batch_size: int | str | None = None,
                  max_length: int | None = None, max_gen_toks: int = 256, dist_timeout: float = 60.0,
-                 exact_reduce: bool = False, progress: bool = True, built: Any = None, **unused: Any) -> None:
+                 exact_reduce: bool = False, progress: bool = True, built: Any = None, device: str | None = "auto",
+                 backend: str | None = "auto", **unused: Any) -> None:
         super().__init__()
         for k, v in unused.items():
-            if v is not None and k not in ("device", "max_batch_size"):
+            if v is not None and k != "max_batch_size":
                 log.warning("syncdrop model: ignoring unknown argument %s=%r", k, v)
         if built is None:
-            from syncdrop.runtime import build
+            from syncdrop.runtime import choose_runtime
 
             plan = None if plan is None else str(plan).replace(";", ",")
-            built = build(str(model), _int_arg(tp, "tp", 1), plan, dtype, executor, drop_variant,
-                          progress=progress, dist_timeout=float(dist_timeout), exact_reduce=bool(exact_reduce))
+            runtime = choose_runtime(str(executor), str(device or "auto"), str(backend or "auto"), str(dtype),
+                                     exact_reduce=bool(exact_reduce), dist_timeout=float(dist_timeout))
+            built = runtime.build(str(model), _int_arg(tp, "tp", 1), plan, str(drop_variant), progress=progress)
         self.built = built
         self.lm = built.model
         self.tokenizer = built.source.load_tokenizer()
@@ -185,10 +195,10 @@ class SyncdropLM(TemplateLM):
         """One forward over right-padded rows; each member's continuation is scored at the last
         ``len(cont)`` positions of its row (for the target tokens, the input shifted by one)."""
         width = len(batch[0][0])
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)  # built on the host, moved by the model
         for r, (inp, _) in enumerate(batch):
             ids[r, : len(inp)] = torch.tensor(inp, dtype=torch.long)
-        hidden = self.lm.hidden_states(ids)  # (B, S, h)
+        hidden = self.lm.hidden_states(ids)  # (B, S, h) on the model's device
         self.forwards += 1
         # positions needed per row: the longest continuation among its members
         sel, pos, tok, owner = [], [], [], []
@@ -203,15 +213,17 @@ class SyncdropLM(TemplateLM):
                 k += 1
             n += c
         h = torch.cat(sel)  # (n, h)
-        pos_t, tok_t = torch.tensor(pos), torch.tensor(tok)
-        logp = torch.empty(len(pos), dtype=torch.float64)
-        greedy = torch.empty(len(pos), dtype=torch.bool)
+        dev = h.device
+        pos_t, tok_t = torch.tensor(pos, device=dev), torch.tensor(tok, device=dev)  # (P,): scored positions
+        logp = torch.empty(len(pos), dtype=torch.float64, device=dev)
+        greedy = torch.empty(len(pos), dtype=torch.bool, device=dev)
         for s in range(0, n, SCORE_CHUNK):
-            lp = F.log_softmax(self.lm.logits(h[s : s + SCORE_CHUNK]).float(), dim=-1)
+            lp = F.log_softmax(self.lm.logits(h[s : s + SCORE_CHUNK]).float(), dim=-1)  # (chunk, V)
             m = (pos_t >= s) & (pos_t < s + SCORE_CHUNK)
             p = pos_t[m] - s
             logp[m] = lp[p, tok_t[m]].double()
             greedy[m] = lp[p].argmax(-1) == tok_t[m]
+        logp, greedy = logp.cpu(), greedy.cpu()  # one copy to the host per batch; the sums below are there
         owner_t = torch.tensor(owner)
         return [(float(logp[owner_t == i].sum()), bool(greedy[owner_t == i].all())) for i in range(k)]
 
@@ -264,25 +276,23 @@ class SyncdropLM(TemplateLM):
 
     @torch.inference_mode()
     def _generate_one(self, ids: list[int], max_new: int, until: list[str], kwargs: dict[str, Any]) -> list[int]:
-        from syncdrop.generate import SamplingParams, sample_next
+        from syncdrop.generate import SamplingParams, sample_next, sampling_generator
 
         params = SamplingParams(temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                                 top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), seed=int(kwargs.get("seed", 0)))
         params.validate()
-        gen = torch.Generator().manual_seed(params.seed)
-        agree = _same
-        if self.built.dist is not None:
-            from syncdrop.parallel.dist import broadcast_from_main
-
-            agree = broadcast_from_main
+        device = self.lm.device
+        gen = sampling_generator(device, params.seed)
+        comm = getattr(self.built, "comm", None)  # None: transformers' model (one process)
+        agree = comm.broadcast if comm is not None else _same  # every rank continues with rank 0's token
         cache = self.lm.new_cache(1, len(ids) + max_new)
-        prompt = torch.tensor([ids], dtype=torch.long)
+        prompt = torch.tensor([ids], dtype=torch.long, device=device)
         h = self.lm.hidden_states(prompt, cache, 0)[:, -1]
         new: list[int] = []
         stops = [s for s in until if s]
         while True:
-            nxt = agree(sample_next(self.lm.logits(h), params, gen))
-            new.append(int(nxt[0]))
+            nxt = agree(sample_next(self.lm.logits(h), params, gen))  # (1,) on the device
+            new.append(int(nxt[0]))  # the one host read per step: EOS and stop strings are checked here
             if new[-1] == self.eot_token_id or len(new) >= max_new:
                 break
             text = self.tok_decode(new, skip_special_tokens=False)

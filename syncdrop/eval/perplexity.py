@@ -63,19 +63,22 @@ def text_windows(tokenizer, text: str, seq_len: int, count: int, what: str, requ
 
 
 def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` -> ``(B,)`` fp32."""
+    """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` (any device) -> ``(B,)`` fp32 on
+    the logits' device (the targets are moved there)."""
     h = model.hidden_states(windows)[:, :-1]  # (B, L-1, h)
     logits = model.logits(h).float()  # (B, L-1, V)
     B, T, V = logits.shape
+    targets = windows[:, 1:].reshape(B * T).to(logits.device)  # (B*T,)
     # flat (B*T, V) layout: cross_entropy over a strided class axis is ~8x slower on CPU
-    nll = F.cross_entropy(logits.reshape(B * T, V), windows[:, 1:].reshape(B * T), reduction="none")
+    nll = F.cross_entropy(logits.reshape(B * T, V), targets, reduction="none")
     return nll.view(B, T).sum(-1)
 
 
 def perplexity(
     model: CausalLM, windows: torch.Tensor, batch_size: int = 1, progress: bool = True, desc: str = "perplexity"
 ) -> PerplexityResult:
-    """Perplexity of ``model`` on ``windows`` ``(W, L)``, evaluated ``batch_size`` windows at a time."""
+    """Perplexity of ``model`` on ``windows`` ``(W, L)``, evaluated ``batch_size`` windows at a time (one
+    host read per batch: its windows' NLL sums, for the running figure)."""
     from tqdm import tqdm
 
     W, L = windows.shape

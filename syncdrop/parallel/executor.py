@@ -31,6 +31,10 @@ class TPModel:
     ``block_layouts``: per-block exceptions to ``layout`` (head grouping reassigns heads and MLP
     channels to ranks block by block); each block gets its own :class:`LocalGeometry` (``geos[i]``),
     padded to the largest rank of its layout. ``geo`` is the geometry of the shared ``layout``.
+
+    ``device``: where weights, caches and activations live. Weights are read, sharded and cast to
+    ``dtype`` where the source holds them (the host for checkpoints) and then moved, so what crosses to
+    the device is already in the model dtype. Token ids may come from anywhere (they are moved).
     """
 
     def __init__(
@@ -50,8 +54,8 @@ class TPModel:
         self.device = torch.device(device)
         src = TensorSource(weights)
 
-        def get(name: str) -> torch.Tensor:
-            return src.get(name).to(self.device)
+        def get(name: str) -> torch.Tensor:  # cast on the host, then move: the copy is in the model dtype
+            return src.get(name).to(dtype).to(self.device)
 
         local = list(ranks if ranks is not None else range(layout.tp))
         block_layouts = dict(block_layouts or {})
@@ -62,13 +66,13 @@ class TPModel:
         self.layouts = [block_layouts.get(i, layout) for i in range(cfg.num_layers)]
         self.geo = local_geometry(cfg, layout, local)
         geos = {id(lay): local_geometry(cfg, lay, local) for lay in block_layouts.values()}
-        self.geos = [geos.get(id(lay), self.geo) for lay in self.layouts]
+        self.geos = [geos.get(id(lay), self.geo) for lay in self.layouts]  # moved with the weights below
         self.plan = plan or SyncPlan.uniform(cfg.num_layers)
-        self.embed = get("embed").to(dtype)
-        self.pos_embed = get("pos_embed").to(dtype) if cfg.family == "opt" else None
-        self.final_norm_w = get("final_norm.weight").to(dtype)
-        self.final_norm_b = get("final_norm.bias").to(dtype) if cfg.norm == "layer" else None
-        self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head").to(dtype)
+        self.embed = get("embed")
+        self.pos_embed = get("pos_embed") if cfg.family == "opt" else None
+        self.final_norm_w = get("final_norm.weight")
+        self.final_norm_b = get("final_norm.bias") if cfg.norm == "layer" else None
+        self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head")
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
         layers = range(cfg.num_layers)
         if progress:

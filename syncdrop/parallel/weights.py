@@ -107,8 +107,10 @@ class LocalGeometry:
         return dataclasses.replace(self, kv_map=kv_map)
 
 
-def local_geometry(cfg: ModelConfig, layout: ShardLayout, ranks: Sequence[int]) -> LocalGeometry:
-    """Shapes for the local ranks, padded to the largest rank of the *whole* layout.
+def local_geometry(cfg: ModelConfig, layout: ShardLayout, ranks: Sequence[int],
+                   device: torch.device | str = "cpu") -> LocalGeometry:
+    """Shapes for the local ranks, padded to the largest rank of the *whole* layout; the q -> KV map
+    is built on the host and placed on ``device`` (where the attention that indexes with it runs).
 
     Padding to the global maximum (not just the local one) gives every rank the same GEMM shapes
     in both executors, so the distributed runtime reproduces the simulation bit for bit; it costs
@@ -123,7 +125,7 @@ def local_geometry(cfg: ModelConfig, layout: ShardLayout, ranks: Sequence[int]) 
     regular = Q % K == 0 and all(
         len(s.q_heads) == Q and list(s.kv_of_q) == [j // (Q // K) for j in range(Q)] for s in sl
     )
-    return LocalGeometry(tuple(ranks), Q, K, F, cfg.head_dim, None if regular else kv_map)
+    return LocalGeometry(tuple(ranks), Q, K, F, cfg.head_dim, None if regular else kv_map.to(device))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -154,7 +156,8 @@ def block_weights(
     dtype: torch.dtype = torch.float32,
 ) -> BlockWeights:
     """Read, pad and stack block ``layer``'s slices for the local ranks (only those slices are read
-    when the source supports it)."""
+    when the source supports it), cast to ``dtype`` on the device the source holds them on (the
+    executor moves the result; training passes parameters that already live on the device)."""
     p = f"layers.{layer}."
     get = src.get
 

@@ -183,6 +183,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    from syncdrop.cli_args import runtime_from_args
     from syncdrop.eval.data import load_text
     from syncdrop.eval.perplexity import text_windows
     from syncdrop.models.loading import resolve_model
@@ -214,8 +215,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     settings.check()
     windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
                            f"--calib {args.calib} (for --samples {args.samples} + --heldout {args.heldout})")
+    device = runtime_from_args(args, executor="simulated").device
     m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], args.out, settings,
-                {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}, progress=not args.quiet)
+                {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}, progress=not args.quiet,
+                device=device)
     print(f"{source.name} tp={args.tp}: {plan.summary()}; trained {len(m['blocks'])} blocks "
           f"({sum(t != 'zs' for t in tiers.values())} b2b/hg+b2b, {sum(t == 'zs' for t in tiers.values())} zero-shot)")
     if m["blocks"]:

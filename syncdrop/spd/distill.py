@@ -118,38 +118,46 @@ def train_block(
     train: list[Batch], train_y: list[torch.Tensor], held: list[Batch], held_y: list[torch.Tensor],
     s: DistillSettings, bar: Any = None,
 ) -> dict[str, Any]:
-    """Distil block ``layer`` in place (``params``: its dense tensors, float32). Returns stats."""
+    """Distil block ``layer`` in place (``params``: its dense tensors, float32). Returns stats.
+
+    Runs on the device of the batches (``params`` are trained there and come back there). Losses are
+    summed on the device in float64 (the same sums, in the same order, as adding Python floats) and
+    read back once per epoch; the batch order is drawn on the host (a seeded permutation of indices)."""
     tp = layout.tp
-    geo = local_geometry(cfg, layout, range(tp))
+    device = train[0][0].device
+    geo = local_geometry(cfg, layout, range(tp), device)
     comm = SimulatedComm(tp)
-    P = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    P = {k: v.detach().to(device).clone().requires_grad_(True) for k, v in params.items()}
 
     def student(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         w = block_weights(TensorSource(P), cfg, geo, layout, layer)  # differentiable re-sharding
         return block_forward(x, w, geo, cfg, comm, ctx, "drop")
 
     def held_loss() -> float:
+        total = torch.zeros((), dtype=torch.float64, device=device)  # as sum(loss.item() ...), one host read
         with torch.no_grad():
-            return sum(_mse(student(x, c), y).item() for (x, c), y in zip(held, held_y, strict=True)) / len(held)
+            for (x, c), y in zip(held, held_y, strict=True):
+                total += _mse(student(x, c), y).double()
+        return total.item() / len(held)
 
     opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
-    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + layer)
+    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + layer)  # on the host: it orders Python indices
     t0 = time.perf_counter()
     zs = held_loss()
     train_curve, held_curve = [], []
     best, best_epoch, best_params = zs, 0, {k: v.detach().clone() for k, v in P.items()}
     for epoch in range(1, s.epochs + 1):
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for j in torch.randperm(len(train), generator=gen).tolist():
             (x, ctx), y = train[j], train_y[j]
             loss = _mse(student(x, ctx), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += loss.item()
+            total += loss.detach().double()
             if bar is not None:
                 bar.update(1)
-        train_curve.append(total / len(train))
+        train_curve.append(total.item() / len(train))
         held_curve.append(held_loss())
         if held_curve[-1] < best:
             best, best_epoch = held_curve[-1], epoch
@@ -177,12 +185,13 @@ def base_spec(spec: str) -> str:
 def distill(
     source: Any, tp: int, plan: SyncPlan, tiers: dict[int, str], train_windows: torch.Tensor,
     held_windows: torch.Tensor, out_dir: str | Path, settings: DistillSettings, calib: dict[str, Any],
-    progress: bool = True,
+    progress: bool = True, device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """Distil every ``b2b`` / ``hg+b2b`` block of ``tiers`` and write the checkpoint directory.
 
-    Resumable: a block whose file exists with the same settings is loaded, not retrained; the
-    manifest is written last. Returns the manifest dict.
+    ``device``: where the teacher, the students and the batches live (the windows may be anywhere;
+    block files are written from host copies). Resumable: a block whose file exists with the same
+    settings is loaded, not retrained; the manifest is written last. Returns the manifest dict.
     """
     from tqdm import tqdm
 
@@ -201,7 +210,7 @@ def distill(
     work = sorted(i for i, t in tiers.items() if t in TRAINED_TIERS)
     out = Path(out_dir)
     (out / "blocks").mkdir(parents=True, exist_ok=True)
-    teacher = simulated_model(cfg, source.reader, tp)
+    teacher = simulated_model(cfg, source.reader, tp, device=device)
     comm = SimulatedComm(tp)
     with torch.no_grad():
         train = _batches(teacher, train_windows, settings.batch_size)
@@ -230,7 +239,7 @@ def distill(
                     load_block(out / fname)  # fail now, not at load time, if the file is damaged
                 else:
                     names = layer_names(i, cfg)
-                    params = {n: source.reader.get(n).to(torch.float32) for n in names}
+                    params = {n: source.reader.get(n).to(torch.float32).to(teacher.device) for n in names}
                     head_order = ffn_order = None
                     hg = None
                     if tier == "hg+b2b":
@@ -242,7 +251,7 @@ def distill(
                     stats["head_grouping"] = hg
                     meta = {"settings_sha": sha, "layer": i, "tier": tier, "head_order": head_order,
                             "ffn_order": ffn_order, "stats": stats}
-                    save_block(out / fname, params, meta)
+                    save_block(out / fname, {k: v.cpu() for k, v in params.items()}, meta)
                     log.info("block %d (%s): held-out MSE %.4g -> %.4g", i, tier, stats["heldout_loss_zs"],
                              stats["heldout_loss"])
                 entries[str(i)] = {"file": fname, "tier": tier, "head_order": meta["head_order"],

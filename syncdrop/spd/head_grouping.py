@@ -96,16 +96,18 @@ def _score_maps_distance(
 ) -> torch.Tensor:
     """``sum over windows ||A_a - A_b||_F^2`` for every pair of query heads, ``(H, H)``."""
     B, S, d, H, K = ctx.batch, ctx.seq, geo.head_dim, geo.r, geo.kv
+    dev = xn.device
     qkv = column_linear(xn, w.qkv_w, w.qkv_b, H)  # (M, H, (1 + 2K) * d): one q head per "rank"
     q, k, _ = qkv.split([d, K * d, K * d], dim=-1)
-    kv_of_q = geo.kv_map.view(H) - torch.arange(H) * K if geo.kv_map is not None else torch.zeros(H, dtype=torch.long)
-    k = k.reshape(B * S, H, K, d)[:, torch.arange(H), kv_of_q]  # (M, H, d): the KV head each q head reads
+    heads = torch.arange(H, device=dev)
+    kv_of_q = geo.kv_map.view(H) - heads * K if geo.kv_map is not None else torch.zeros(H, dtype=torch.long, device=dev)
+    k = k.reshape(B * S, H, K, d)[:, heads, kv_of_q]  # (M, H, d): the KV head each q head reads
     q = q.reshape(B, S, H, d).transpose(1, 2)  # (B, H, S, d)
     k = k.reshape(B, S, H, d).transpose(1, 2)
     if ctx.cos is not None:
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     scores = (q @ k.transpose(-1, -2)) * d**-0.5  # (B, H, S, S)
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     maps = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     flat = maps.transpose(0, 1).reshape(H, -1).double()  # (H, B*S*S)
     sq = (flat * flat).sum(1)
@@ -117,23 +119,29 @@ def group_heads(
     batches: list[tuple[torch.Tensor, ForwardContext]], unit: str = "group", mlp: str = "shard", seed: int = 0,
 ) -> Grouping:
     """HG layout for block ``layer`` from its dense weights ``params`` (canonical names) and the
-    residuals entering it, ``batches`` of ``(x (1, B*S, h), ctx)``."""
+    residuals entering it, ``batches`` of ``(x (1, B*S, h), ctx)``.
+
+    Runs on the residuals' device (``params`` are moved there); the combinatorial searches run on
+    the host over the small accumulated matrices (``(H, H)`` distances, ``(N, N)`` MLP norms,
+    ``(N, F)`` channel scores), each copied back once."""
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     if mlp not in MLP_MATCHING:
         raise ValueError(f"mlp must be one of {MLP_MATCHING}, got {mlp!r}")
     H, G = cfg.num_heads, cfg.group_size
+    dev = batches[0][0].device
+    params = {k: v.detach().to(dev) for k, v in params.items()}
     per_head = ShardLayout.build(cfg, H)  # one query head per "rank"
-    geo_h = local_geometry(cfg, per_head, range(H))
-    src = TensorSource({k: v.detach() for k, v in params.items()})
+    geo_h = local_geometry(cfg, per_head, range(H), dev)
+    src = TensorSource(params)
     w_h = block_weights(src, cfg, geo_h, per_head, layer)
     p = f"layers.{layer}."
-    D2 = torch.zeros(H, H, dtype=torch.float64)
+    D2 = torch.zeros(H, H, dtype=torch.float64, device=dev)
     with torch.no_grad():
         xs = [(x, norm(x, w_h.attn_norm_w, w_h.attn_norm_b, cfg), ctx) for x, ctx in batches]
         for _, xn, ctx in xs:
             D2 += _score_maps_distance(xn, w_h, geo_h, cfg, ctx)
-    D = D2.sqrt()
+    D = D2.sqrt().cpu()  # (H, H): the order search reads it entry by entry
     sizes = [len(r) for r in _even_split(H, tp)]
     units = ([tuple(range(g * G, (g + 1) * G)) for g in range(cfg.num_kv_heads)] if unit == "group"
              else [(a,) for a in range(H)])
@@ -159,13 +167,13 @@ def group_heads(
             local_inputs.append(norm(Hr, params[p + "mlp_norm.weight"],
                                      params.get(p + "mlp_norm.bias"), cfg))
         shard_layout = ShardLayout.build(cfg, tp)  # ffn shards s = 0..tp-1, default order
-        geo_s = local_geometry(cfg, shard_layout, range(tp))
+        geo_s = local_geometry(cfg, shard_layout, range(tp), dev)
         w_s = block_weights(src, cfg, geo_s, shard_layout, layer)
-        C = torch.zeros(tp, tp, dtype=torch.float64)  # C[r, s] = ||MLP_s(norm(H_r))||^2
+        C = torch.zeros(tp, tp, dtype=torch.float64, device=dev)  # C[r, s] = ||MLP_s(norm(H_r))||^2
         for hn in local_inputs:
             for r in range(tp):
                 C[r] += mlp_partial(hn[r : r + 1], w_s, geo_s, cfg).double().pow(2).sum((1, 2))
-        Cn = C.sqrt()
+        Cn = C.sqrt().cpu()
         ident = float(Cn.diagonal().sum())
         if mlp == "shard":
             perms = itertools.permutations(range(tp)) if tp <= 8 else [tuple(range(tp))]
@@ -183,9 +191,10 @@ def group_heads(
 def _mlp_norm(src, cfg, tp, layer, head_order, ffn_order, local_inputs) -> float:
     """``sum_r ||MLP_r(norm(H_r))||`` under the chosen channel split."""
     lay = ShardLayout.build(cfg, tp, head_order, ffn_order)
-    geo = local_geometry(cfg, lay, range(tp))
+    dev = local_inputs[0].device
+    geo = local_geometry(cfg, lay, range(tp), dev)
     w = block_weights(src, cfg, geo, lay, layer)
-    sq = torch.zeros(tp, dtype=torch.float64)
+    sq = torch.zeros(tp, dtype=torch.float64, device=dev)
     for hn in local_inputs:  # (tp, M, h): rank r's own input
         sq += mlp_partial(hn, w, geo, cfg).double().pow(2).sum((1, 2))
     return float(sq.sqrt().sum())
@@ -197,7 +206,7 @@ def _channel_assignment(params, p, cfg: ModelConfig, local_inputs, capacity: lis
 
     tp = len(capacity)
     down_norm = params[p + "down.weight"].detach().norm(dim=0)  # (F,)
-    score = torch.zeros(tp, cfg.intermediate_size, dtype=torch.float64)
+    score = torch.zeros(tp, cfg.intermediate_size, dtype=torch.float64, device=down_norm.device)
     for hn in local_inputs:  # (tp, M, h)
         up = hn @ params[p + "up.weight"].t()  # (tp, M, F)
         if cfg.gated_mlp:
@@ -205,6 +214,7 @@ def _channel_assignment(params, p, cfg: ModelConfig, local_inputs, capacity: lis
         else:
             a = ACTIVATIONS[cfg.act](up + params[p + "up.bias"] if cfg.mlp_bias else up)
         score += (a.abs().sum(1) * down_norm).double()
+    score = score.cpu()  # (tp, F): the greedy assignment below reads it channel by channel
     top2 = score.topk(min(2, tp), dim=0).values
     regret = top2[0] - (top2[1] if tp > 1 else 0)
     left = list(capacity)
