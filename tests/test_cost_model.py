@@ -538,3 +538,24 @@ def test_bad_check_file_names_check(tmp_path) -> None:
 def test_bad_arguments(argv, match) -> None:
     with pytest.raises(SyncdropError, match=match):
         run_predict(argv)
+
+
+def test_compute_counts_come_from_the_runtime_layouts() -> None:
+    """The slowest rank's share is asked of ShardLayout: SmolLM2 (9 heads, 3 KV heads, 1536 channels)
+    at TP=2 is 5 query heads with 2 KV heads (KV head 1 replicated), at TP=3 3 + 1; a head-grouping layout
+    that interleaves KV groups on block 0 makes each rank there read 3 KV heads, and only block 0's
+    attention K/V work grows."""
+    from syncdrop.parallel.sharding import ShardLayout
+
+    cfg = cm.MODELS["smollm2"]
+    assert cm.rank_share(cfg, 2) == cm.RankShare(5, 2, 768)
+    assert cm.rank_share(cfg, 3) == cm.RankShare(3, 1, 512)
+    mixed = ShardLayout.build(cfg, 3, head_order=[0, 3, 6, 1, 4, 7, 2, 5, 8])
+    shares = cm.block_shares(cfg, 3, {0: mixed})
+    assert shares[0] == cm.RankShare(3, 3, 512) and set(shares[1:]) == {cm.RankShare(3, 1, 512)}
+    plain, grouped = cm.decode_work(cfg, 3, 100), cm.decode_work(cfg, 3, 100, block_layouts={0: mixed})
+    h, d = cfg.hidden_size, cfg.head_dim
+    assert grouped.matmul_flops - plain.matmul_flops == 2.0 * 2 * h * 2 * d  # K and V of 2 more KV heads
+    assert grouped.bytes_read - plain.bytes_read == (2 * h * 2 * d + 2 * 2 * d * 100) * 4
+    with pytest.raises(SyncdropError, match="--gpus 10: must be between 1 and the model's 9 query heads"):
+        cm.block_shares(cfg, 10)

@@ -215,21 +215,27 @@ class RankShare:
     ffn: int
 
 
-def rank_share(cfg: ModelConfig, n_ranks: int) -> RankShare:
-    """The largest share any rank gets under syncdrop's sharding rule (contiguous near-equal splits,
-    each rank keeps the KV heads its query heads read)."""
+def _share(layout) -> RankShare:
+    """The slowest rank of a :class:`~syncdrop.parallel.sharding.ShardLayout`: every rank runs the
+    largest rank's head and channel counts (the executors pad to them)."""
+    return RankShare(layout.max_q, layout.max_kv, layout.max_ffn)
+
+
+def block_shares(cfg: ModelConfig, n_ranks: int, block_layouts: dict | None = None) -> list[RankShare]:
+    """Per block, the slowest rank's share, asked of the shard layout the runtime builds
+    (:meth:`syncdrop.parallel.sharding.ShardLayout.build`; ``block_layouts``: the head-grouping
+    layouts of a distilled directory, :func:`~syncdrop.parallel.sharding.distilled_layouts`)."""
+    from syncdrop.parallel.sharding import ShardLayout  # lazily: the CLI parser imports this module
+
     if n_ranks < 1 or n_ranks > cfg.num_heads:
         raise SyncdropError(f"--gpus {n_ranks}: must be between 1 and the model's {cfg.num_heads} query heads")
-    g = cfg.group_size
-    base, extra = divmod(cfg.num_heads, n_ranks)
-    start, q_max, kv_max = 0, 0, 0
-    for r in range(n_ranks):
-        size = base + (1 if r < extra else 0)
-        heads = range(start, start + size)
-        start += size
-        q_max = max(q_max, size)
-        kv_max = max(kv_max, len({hd // g for hd in heads}))
-    return RankShare(q_max, kv_max, math.ceil(cfg.intermediate_size / n_ranks))
+    base = _share(ShardLayout.build(cfg, n_ranks))
+    return [_share(block_layouts[i]) if block_layouts and i in block_layouts else base for i in range(cfg.num_layers)]
+
+
+def rank_share(cfg: ModelConfig, n_ranks: int) -> RankShare:
+    """The slowest rank's share of a block under the default layout (:func:`block_shares`)."""
+    return block_shares(cfg, n_ranks)[0]
 
 
 def layer_weights(cfg: ModelConfig, share: RankShare) -> int:
@@ -256,28 +262,30 @@ class Work:
 
 
 def prefill_work(cfg: ModelConfig, n_ranks: int, seq: int, batch: int = 1, dtype_bytes: int = 4,
-                 lm_head_parallel: bool = False) -> Work:
-    """The prefill of ``batch`` prompts of ``seq`` tokens plus the LM head on the last position."""
-    share = rank_share(cfg, n_ranks)
+                 lm_head_parallel: bool = False, block_layouts: dict | None = None) -> Work:
+    """The prefill of ``batch`` prompts of ``seq`` tokens plus the LM head on the last position; each
+    block's work is its slowest rank's (:func:`block_shares`)."""
+    shares = block_shares(cfg, n_ranks, block_layouts)
     L, h, d, V = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    w = layer_weights(cfg, share)
+    w = sum(layer_weights(cfg, sh) for sh in shares)
+    q = sum(sh.q_heads for sh in shares)
     head = 2 * h * V * batch / (n_ranks if lm_head_parallel else 1)
     head_w = h * V / (n_ranks if lm_head_parallel else 1)
-    return Work(matmul_flops=2.0 * L * w * batch * seq,
-                attn_flops=4.0 * L * share.q_heads * d * batch * seq * (seq + 1) / 2,
-                head_flops=head, bytes_read=(L * w + head_w) * dtype_bytes, layers=L)
+    return Work(matmul_flops=2.0 * w * batch * seq, attn_flops=4.0 * q * d * batch * seq * (seq + 1) / 2,
+                head_flops=head, bytes_read=(w + head_w) * dtype_bytes, layers=L)
 
 
 def decode_work(cfg: ModelConfig, n_ranks: int, context: int, batch: int = 1, dtype_bytes: int = 4,
-                lm_head_parallel: bool = False) -> Work:
+                lm_head_parallel: bool = False, block_layouts: dict | None = None) -> Work:
     """One decode step whose new token attends to ``context`` keys (itself included)."""
-    share = rank_share(cfg, n_ranks)
+    shares = block_shares(cfg, n_ranks, block_layouts)
     L, h, d, V = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    w = layer_weights(cfg, share)
+    w = sum(layer_weights(cfg, sh) for sh in shares)
+    q, kv = sum(sh.q_heads for sh in shares), sum(sh.kv_heads for sh in shares)
     head_w = h * V / (n_ranks if lm_head_parallel else 1)
-    kv_bytes = 2 * L * share.kv_heads * d * context * batch * dtype_bytes
-    return Work(matmul_flops=2.0 * L * w * batch, attn_flops=4.0 * L * share.q_heads * d * batch * context,
-                head_flops=2 * head_w * batch, bytes_read=(L * w + head_w) * dtype_bytes + kv_bytes, layers=L)
+    kv_bytes = 2 * kv * d * context * batch * dtype_bytes
+    return Work(matmul_flops=2.0 * w * batch, attn_flops=4.0 * q * d * batch * context,
+                head_flops=2 * head_w * batch, bytes_read=(w + head_w) * dtype_bytes + kv_bytes, layers=L)
 
 
 @dataclass(frozen=True)
