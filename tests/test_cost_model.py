@@ -220,32 +220,51 @@ def test_alpha_beta_fit_is_the_closed_form_least_squares() -> None:
     assert cm.fit_alpha_beta(exact) == pytest.approx((20e-6, 1e9), rel=1e-9)
 
 
+def test_alpha_beta_from_a_payload_sweep() -> None:
+    """Four payload sizes on a ring of 3 with 1% multiplicative noise: alpha and beta come back within
+    a few percent and no note is raised; a sweep that is flat in the payload is flagged degenerate."""
+    import random
+
+    rng = random.Random(1)
+    pts = [(b, 3, cm.ring_allreduce_time(b, 3, 30e-6, 2e9) * (1 + rng.uniform(-0.01, 0.01)))
+           for b in (2304, 73728, 294912, 589824)]
+    alpha, beta, notes = cm.fit_alpha_beta_checked(pts)
+    assert alpha == pytest.approx(30e-6, rel=0.05) and beta == pytest.approx(2e9, rel=0.05) and notes == []
+    flat = [(b, 3, 1e-3) for b in (2304, 73728, 294912)]
+    alpha, beta, notes = cm.fit_alpha_beta_checked(flat)
+    assert alpha == pytest.approx(1e-3 / 4) and beta == cm.BETA_BOUNDS[1] and "degenerate" in notes[0]
+
+
 def test_alpha_beta_fit_of_the_committed_bench_file() -> None:
     """results/latency/tp2_none.json: the 2304-byte (decode) all-reduce took longer than the 589824-byte
     (prefill) one, so the exact two-point solution has a negative 1/beta; non-negative least squares puts
-    1/beta = 0 (beta infinite) and alpha = argmin sum (2 alpha / t_i - 1)^2 = sum(1/t_i) / (2 sum(1/t_i^2))."""
+    1/beta = 0 (beta at its upper bound) and alpha = argmin sum (2 alpha / t_i - 1)^2 = sum(1/t_i) / (2
+    sum(1/t_i^2)); the calibration says the fit degenerated and that 2 payload sizes cannot check it."""
     d = json.loads(NOEMUL.read_text())
     (b1, t1), (b2, t2) = ((d["allreduce"][ph]["bytes"], d["allreduce"][ph]["median_ms"] / 1e3)
                           for ph in ("prefill", "decode"))
     assert (b1, b2) == (589824, 2304) and (t1 - t2) / (b1 - b2) < 0  # exact fit: negative slope 1/beta
     alpha = (1 / t1 + 1 / t2) / (2 * (1 / t1**2 + 1 / t2**2))
     cal = cm.calibrate([cm.load_bench(NOEMUL, "--calibrate")])
-    assert cal.alpha == pytest.approx(alpha, rel=1e-9) and cal.beta == math.inf
+    assert cal.alpha == pytest.approx(alpha, rel=1e-9) and cal.beta == cm.BETA_BOUNDS[1]
+    assert any("does not grow with the payload" in n and "degenerate" in n for n in cal.fit_notes)
+    assert any("from 2 payload size(s): fewer than 3" in n for n in cal.fit_notes)
+    assert cm.fit_alpha_beta([(b, 2, t) for b, t in ((b1, t1), (b2, t2))])[1] == math.inf
 
 
-def _compute_least_squares(path: Path, alpha: float) -> np.ndarray:
+def _compute_least_squares(path: Path, alpha: float, beta: float) -> np.ndarray:
     """The compute fit of one committed file solved here: the 3x3 normal equations of the relative
-    least squares ``(T - n 2 alpha) / T = FLOPs/T x0 + L/T x1 + n/T x2`` (beta infinite: a ring all-reduce
-    on 2 ranks is then 2 alpha) over every plan's TTFT (prefill of 256) and decode step (context
-    round(256 + 9/2) = 260: Python rounds half to even)."""
+    least squares ``(T - n T_ring) / T = FLOPs/T x0 + L/T x1 + n/T x2`` (a ring all-reduce of b bytes on 2
+    ranks: ``T_ring = 2 alpha + b / beta``) over every plan's TTFT (prefill of 256 tokens) and decode step
+    (context round(256 + 9/2) = 260: Python rounds half to even)."""
     d = json.loads(path.read_text())
     X, y = [], []
     for p in d["plans"]:
         n = p["allreduces_per_forward"]
-        for flops, t in ((smollm2_tp2_flops(seq=256), p["ttft_ms"] / 1e3),
-                         (smollm2_tp2_flops(context=260), p["decode_ms"] / 1e3)):
+        for flops, t, b in ((smollm2_tp2_flops(seq=256), p["ttft_ms"] / 1e3, 256 * 576 * 4),
+                            (smollm2_tp2_flops(context=260), p["decode_ms"] / 1e3, 576 * 4)):
             X.append([flops / t, SMOL["L"] / t, n / t])
-            y.append((t - n * 2 * alpha) / t)
+            y.append((t - n * (2 * alpha + b / beta)) / t)
     A, v = np.array(X), np.array(y)
     return np.linalg.solve(A.T @ A, A.T @ v)
 
@@ -254,7 +273,7 @@ def test_compute_fit_of_the_committed_bench_file() -> None:
     """1/F_eff, t_layer and t_sync fitted to tp2_none.json's 5 plans x (TTFT, decode) are the closed-form
     least-squares solution computed here (all three positive, so the constraint is inactive)."""
     cal = cm.calibrate([cm.load_bench(NOEMUL, "--calibrate")])
-    inv_f, t_layer, t_sync = _compute_least_squares(NOEMUL, cal.alpha)
+    inv_f, t_layer, t_sync = _compute_least_squares(NOEMUL, cal.alpha, cal.beta)
     assert min(inv_f, t_layer, t_sync) > 0
     assert cal.compute.flops_per_s == pytest.approx(1 / inv_f, rel=1e-6)
     assert cal.compute.layer_overhead_s == pytest.approx(t_layer, rel=1e-6)
@@ -417,8 +436,9 @@ def test_predict_cli_on_committed_bench_files(tmp_path, capsys) -> None:
     ar = json.loads(NOEMUL.read_text())["allreduce"]
     t1, t2 = ar["prefill"]["median_ms"] / 1e3, ar["decode"]["median_ms"] / 1e3
     assert cal["alpha_s"] == pytest.approx((1 / t1 + 1 / t2) / (2 * (1 / t1**2 + 1 / t2**2)), rel=1e-9)
-    assert cal["beta_Bps"] == math.inf and cal["files"] == [str(NOEMUL)]
-    assert f"alpha = {cal['alpha_s'] * 1e6:.1f} us, beta = inf MB/s (2 timings)" in text
+    assert cal["beta_Bps"] == cm.BETA_BOUNDS[1] and cal["files"] == [str(NOEMUL)]
+    assert f"alpha = {cal['alpha_s'] * 1e6:.1f} us, beta = {cal['beta_Bps'] / 1e6:.1f} MB/s (2 timings)" in text
+    assert "- fit note: the all-reduce time does not grow with the payload" in text
     emul = json.loads(SHARE30.read_text())
     for name, path in (("none (fit)", NOEMUL), ("93.2439MB/s+50us", SHARE30)):
         bench = json.loads(path.read_text())
@@ -473,8 +493,10 @@ def test_latency_bench_runs_each_plan_through_model_for(tiny_llama_dir) -> None:
     runs = 3  # warmup + reps
     assert all(models[s].plan.to_dict() == p.to_dict() for s, p in plans)  # nothing was switched
     # per rep: every plan's generation of 3 forwards, then the baseline's (none: 4 sync points) once more, timed
-    assert comm.calls == 2 * 23 + runs * 3 * (sum(p.collectives_per_forward for _, p in plans) + 4) == 46 + 9 * 14
-    assert comm.barriers == 2 * 23 + runs * (len(plans) + 1)
+    # the payload sweep: 1, 8 // 8 = 1, 8 // 2 = 4 and 8 tokens, i.e. 3 sizes, 23 timed all-reduces each
+    assert [x["tokens"] for x in res["allreduce_sizes"]] == [1, 4, 8]
+    assert comm.calls == 3 * 23 + runs * 3 * (sum(p.collectives_per_forward for _, p in plans) + 4) == 69 + 9 * 14
+    assert comm.barriers == 3 * 23 + runs * (len(plans) + 1)
     assert len(asked) == 1 + runs * (len(plans) + 1)
     rows = {r["plan"]: r for r in res["plans"]}
     assert [(rows[s]["allreduces_per_forward"], rows[s]["comm_units"]) for s in specs] == [(4, 4.0), (2, 2.0),

@@ -348,6 +348,11 @@ class BenchRun:
     # per plan: plan, spd_fraction, allreduces_per_forward, comm_units, vocab_gather, ttft_s, decode_s
     plans: list[dict[str, Any]]
     emu_formula: str = "ring"  # "flat": written before the ring emulation (syncdrop.bench.link.Link)
+    allreduce_sizes: tuple[tuple[int, float], ...] = ()  # (bytes, median seconds) of every payload timed
+
+    def __post_init__(self) -> None:
+        if not self.allreduce_sizes:  # files from before the payload sweep: the prefill and decode payloads
+            object.__setattr__(self, "allreduce_sizes", tuple(self.allreduce.values()))
 
     @property
     def emulated(self) -> bool:
@@ -392,7 +397,8 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
             prompt_len=int(s["prompt_len"]), batch=int(s["batch"]), decode_tokens=int(s["decode_tokens"]),
             dtype_bytes=_DTYPE_BYTES[s.get("dtype", "float32")],
             emu_bandwidth=link.bandwidth, emu_latency=link.latency,
-            threads_per_rank=s.get("threads_per_rank"), allreduce=ar, plans=plans, emu_formula=link.formula)
+            threads_per_rank=s.get("threads_per_rank"), allreduce=ar, plans=plans, emu_formula=link.formula,
+            allreduce_sizes=tuple((int(x["bytes"]), float(x["median_ms"]) / 1e3) for x in d.get("allreduce_sizes", [])))
         hidden, layers = int(s["hidden_size"]), int(s["num_layers"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise SyncdropError(f"{where}: not a syncdrop bench result (bad or missing {e})") from None
@@ -439,18 +445,51 @@ def _nnls(X: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in best]
 
 
-def fit_alpha_beta(points: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """``alpha, beta`` of the ring model from ``(bytes, N, seconds)`` samples, relative least squares.
+ALPHA_BOUNDS = (0.0, 0.1)  # seconds per ring step
+BETA_BOUNDS = (1e5, 1e13)  # bytes per second: 100 kB/s to 10 TB/s
+MIN_PAYLOAD_SIZES = 3
+
+
+def fit_alpha_beta_checked(points: list[tuple[float, int, float]]) -> tuple[float, float, list[str]]:
+    """``alpha, beta`` of the ring model from ``(bytes, N, seconds)`` samples, relative least squares,
+    within :data:`ALPHA_BOUNDS` / :data:`BETA_BOUNDS`, and the notes that say when the fit degenerates.
 
     With ``x1 = 2(N-1)``, ``x2 = 2(N-1)/N * bytes`` the model is linear, ``T = alpha x1 + x2 / beta``;
-    each row is divided by the measured time so small and large payloads weigh alike. Two payload
-    sizes (the bench's prefill and decode) determine both exactly; more sizes are least squares.
+    each row is divided by the measured time so small and large payloads weigh alike. At least
+    :data:`MIN_PAYLOAD_SIZES` distinct payloads are needed to test the line (two determine it
+    exactly, whatever the truth); a time that does not grow with the payload puts everything into
+    alpha (``1 / beta`` fitted as 0: beta at its upper bound), and one that is all bandwidth puts
+    alpha at 0. Each of these is a note, not an error: the caller reports them.
     """
     rows = [(2 * (n - 1) / t, 2 * (n - 1) / n * b / t) for b, n, t in points if n > 1 and t > 0]
     if not rows:
         raise SyncdropError("--calibrate: no all-reduce timings with more than one rank to fit alpha/beta")
+    notes = []
+    sizes = len({b for b, n, _ in points if n > 1})
+    if sizes < MIN_PAYLOAD_SIZES:
+        notes.append(f"alpha/beta from {sizes} payload size(s): fewer than {MIN_PAYLOAD_SIZES}, so the fit cannot "
+                     "be checked (bench files from before the payload sweep)")
     alpha, inv_beta = _nnls([list(r) for r in rows], [1.0] * len(rows))
-    return alpha, (1.0 / inv_beta if inv_beta > 0 else math.inf)
+    beta = 1.0 / inv_beta if inv_beta > 0 else math.inf
+    if not beta <= BETA_BOUNDS[1]:
+        notes.append(f"the all-reduce time does not grow with the payload: beta is set to its bound "
+                     f"{BETA_BOUNDS[1]:.0e} B/s and alpha carries all of it (degenerate fit)")
+        beta = BETA_BOUNDS[1]
+    elif beta < BETA_BOUNDS[0]:
+        notes.append(f"beta {beta:.3g} B/s is below its bound {BETA_BOUNDS[0]:.0e} B/s (degenerate fit)")
+        beta = BETA_BOUNDS[0]
+    if alpha <= ALPHA_BOUNDS[0]:
+        notes.append("alpha is 0: the all-reduce time is all bandwidth (degenerate fit)")
+    elif alpha > ALPHA_BOUNDS[1]:
+        notes.append(f"alpha {alpha:.3g} s is above its bound {ALPHA_BOUNDS[1]} s (degenerate fit)")
+        alpha = ALPHA_BOUNDS[1]
+    return alpha, beta, notes
+
+
+def fit_alpha_beta(points: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """:func:`fit_alpha_beta_checked` without the notes (``beta`` = inf when the fit puts all in alpha)."""
+    alpha, beta, notes = fit_alpha_beta_checked(points)
+    return alpha, (math.inf if beta >= BETA_BOUNDS[1] and any("does not grow" in n for n in notes) else beta)
 
 
 @dataclass(frozen=True)
@@ -506,6 +545,7 @@ class Calibration:
     files: tuple[str, ...]
     allreduce_points: int
     compute_points: int
+    fit_notes: tuple[str, ...] = ()
 
     @property
     def comm(self) -> CommModel:
@@ -515,7 +555,8 @@ class Calibration:
         return {"files": list(self.files), "alpha_s": self.alpha, "beta_Bps": self.beta,
                 "sync_overhead_s": self.sync_s, "flops_per_s": self.compute.flops_per_s,
                 "layer_overhead_s": self.compute.layer_overhead_s,
-                "allreduce_points": self.allreduce_points, "compute_points": self.compute_points}
+                "allreduce_points": self.allreduce_points, "compute_points": self.compute_points,
+                "fit_notes": list(self.fit_notes)}
 
 
 def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = True,
@@ -528,8 +569,8 @@ def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = 
         if r.emulated:
             raise SyncdropError(f"--calibrate {r.path!r}: was run with link emulation ({r.link_label}); "
                                 "calibrate on runs without --link-bandwidth/--link-latency")
-    ar_pts = [(b, r.tp, t) for r in runs for b, t in r.allreduce.values()]
-    alpha, beta = fit_alpha_beta(ar_pts)
+    ar_pts = [(b, r.tp, t) for r in runs for b, t in r.allreduce_sizes]
+    alpha, beta, notes = fit_alpha_beta_checked(ar_pts)
     comm = CommModel(alpha, beta)
     pts: list[ComputePoint] = []
     for r in runs:
@@ -545,7 +586,7 @@ def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = 
                 pts.append(ComputePoint(dec, n, t_dec, p["decode_s"],
                                         comm.forward(b_dec, r.tp, n, u, in_forward=False)))
     compute, sync = fit_compute(pts, fit_overhead, fit_sync)
-    return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts))
+    return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts), tuple(notes))
 
 
 def check(cal: Calibration, runs: list[BenchRun]) -> list[dict[str, Any]]:

@@ -121,11 +121,13 @@ def latency_bench(
     model = model_for(plans[0][1])
     cfg, comm = model.cfg, model.comm
     hidden = cfg.hidden_size
-    ar = {}
-    for what, tokens in (("prefill", B * S), ("decode", B)):
+    elem = model.embed.element_size()
+    sizes = []  # the payload sweep the cost model fits alpha and beta to: decode, prefill and between
+    for tokens in sorted({1, B, max(1, B * S // 8), max(1, B * S // 2), B * S}):
         samples = time_all_reduce(comm, hidden, tokens, model.geo.r, model.dtype, model.device)
-        ar[what] = {"tokens": tokens, "bytes": tokens * hidden * model.embed.element_size(),
-                    "median_ms": _median_ms(samples), "samples_ms": [s * 1e3 for s in samples]}
+        sizes.append({"tokens": tokens, "bytes": tokens * hidden * elem, "median_ms": _median_ms(samples),
+                      "samples_ms": [s * 1e3 for s in samples]})
+    ar = {what: next(x for x in sizes if x["tokens"] == tokens) for what, tokens in (("prefill", B * S), ("decode", B))}
     units = {spec: plan.comm_units(hidden) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     points = base_plan.sync_points(hidden)
@@ -210,7 +212,7 @@ def latency_bench(
             "gather_prefill_ms": statistics.median(gather_prefill) * 1e3,
             "prefill_samples_ms": [[x * 1e3 for x in t] for t in sync_prefill],  # (reps, points)
             "decode_samples_ms": [[x * 1e3 for x in t] for t in sync_decode]}
-    return {"baseline_plan": base_spec, "allreduce": ar, "sync_points": sync, "plans": rows,
+    return {"baseline_plan": base_spec, "allreduce": ar, "allreduce_sizes": sizes, "sync_points": sync, "plans": rows,
             "reps_run": n, "converged": converged, "target_rel_ci": target_rel_ci}
 
 

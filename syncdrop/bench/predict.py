@@ -120,7 +120,8 @@ def _check_markdown(cal: cm.Calibration, rows: list[dict[str, Any]], summary: di
              f"({cal.allreduce_points} timings); in a forward each sync point costs "
              f"{cal.sync_s * 1e3:.3f} ms more",
              f"- compute: F_eff = {c.flops_per_s / 1e9:.2f} GFLOP/s per rank, per-layer overhead "
-             f"{c.layer_overhead_s * 1e3:.3f} ms ({cal.compute_points} points)", "",
+             f"{c.layer_overhead_s * 1e3:.3f} ms ({cal.compute_points} points)",
+             *[f"- fit note: {n}" for n in cal.fit_notes], "",
              "## Predicted vs measured", "",
              "| link | S | what | plan | SPD | AR/fwd | measured ms | predicted ms | error |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
