@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow lint ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
-	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress clean
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress gpu-check gpu-check-dry clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -104,6 +104,15 @@ cost-model: $(STAMP)
 # counting the ones that did not exit 0 on every rank (target: 0)
 launch-stress: $(STAMP)
 	$(BIN)/python benchmarks/launch_stress.py --jobs 36 --out results/launch_stress
+
+# The prepared GPU check (docs/gpu.md): simulated TP=1..4 on CUDA vs CPU, greedy generation vs transformers,
+# NCCL at one rank per GPU (perplexity parity and a killed rank), bench in fp32 and bf16 -> results/gpu/.
+# Exits 2 with one line where CUDA is unavailable; gpu-check-dry runs the same pipeline on the CPU.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py -v --out results/gpu
+
+gpu-check-dry: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py -v --cpu-dry-run --out runs/gpu_dry_run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
