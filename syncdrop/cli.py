@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     from syncdrop.auto.cli import add_auto_parser
 
     add_auto_parser(sub)
+    from syncdrop.serve.cli import add_export_parser
+
+    add_export_parser(sub)
 
     p = sub.add_parser("info", help="show a model's shape, the TP layout and a plan")
     add_model_args(p, distributed=False)

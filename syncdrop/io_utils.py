@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace`` (the file gets
+    the usual permissions, 0666 less the umask, not the temp file's 0600)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -61,3 +72,33 @@ def provenance() -> dict[str, Any]:
         "machine": f"{platform.machine()} {platform.system()} cpus={os.cpu_count()}",
         "threads": torch.get_num_threads(),
     }
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, replace: bool = False) -> Iterator[Path]:
+    """Build a directory in a hidden sibling and move it to ``path`` only when the block succeeds.
+
+    ``path`` must not exist or be an empty directory, unless ``replace`` (then the old directory is
+    removed after the new one is in place). On any error the sibling is removed: nothing half-written
+    is ever at ``path``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp
+        old = None
+        if p.exists():
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+            elif not replace:
+                raise FileExistsError(f"{p} exists and is not an empty directory")
+            else:
+                old = p.parent / f".{p.name}.old-{os.getpid()}"
+                os.replace(p, old)
+        os.replace(tmp, p)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

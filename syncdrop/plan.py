@@ -162,6 +162,21 @@ class SyncPlan:
         """True if any sync point is partial (ranks keep private channels; vocab-parallel LM head)."""
         return any(isinstance(m, Partial) for b in self.blocks for m in (b.attn, b.mlp))
 
+    def contiguous_serving_blocker(self) -> str | None:
+        """Why an engine with one replicated residual stream per token (vLLM, a Megatron-style block
+        with ``reduce_results`` switched off) cannot run this plan, or None when it can: it serves
+        ``full`` and the SPD ``drop`` block only. Partial sync gives each rank a residual stream of its
+        own (private channels) and a vocab-parallel LM head on per-rank hidden states; the ablation
+        variants (``naive``, ``desync``, ``bias-in-sum``) are not meant for serving."""
+        if self.has_partial:
+            return ("partial-sync (CAAT-Net) plans are not served: each rank carries its own residual stream "
+                    "(private channels) into a vocab-parallel LM head, while vLLM's layers carry one "
+                    "replicated residual per token")
+        odd = sorted({b.attn for b in self.blocks if b.attn not in ("full", "drop")})
+        if odd:
+            return f"only the SPD drop block is served; the plan uses the ablation variant(s) {', '.join(odd)}"
+        return None
+
     def payload_fraction(self, hidden: int) -> list[float]:
         """Per sync point (attention then MLP, block by block, ``2 L`` entries) the payload sent as a
         fraction of a full ``(M, h)`` all-reduce (:func:`payload_of`); 0 for a dropped attention sync."""

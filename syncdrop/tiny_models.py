@@ -64,22 +64,26 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def tiny_config(family: str):
-    """The transformers config of the tiny ``family`` model (see the module table)."""
+def tiny_config(family: str, head_dim: int = 8):
+    """The transformers config of the tiny ``family`` model (see the module table). ``head_dim`` scales
+    the widths (hidden = 6 heads x head_dim, MLP = 2 x hidden): vLLM's CPU attention needs head_dim >= 32."""
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     ids = dict(bos_token_id=1, eos_token_id=2)
+    hidden = TINY["num_attention_heads"] * head_dim
+    shape = {**TINY, "hidden_size": hidden}
+    ffn = 2 * hidden
     if family == "llama":
-        return LlamaConfig(**TINY, num_key_value_heads=2, intermediate_size=96, rope_theta=10000.0, **ids,
+        return LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=ffn, rope_theta=10000.0, **ids,
                            tie_word_embeddings=False)
     if family == "mistral":
-        return MistralConfig(**TINY, num_key_value_heads=3, intermediate_size=96, sliding_window=4096, **ids,
+        return MistralConfig(**shape, num_key_value_heads=3, intermediate_size=ffn, sliding_window=4096, **ids,
                              tie_word_embeddings=False)
     if family == "qwen2":
-        return Qwen2Config(**TINY, num_key_value_heads=3, intermediate_size=96, rope_theta=1000000.0, **ids,
+        return Qwen2Config(**shape, num_key_value_heads=3, intermediate_size=ffn, rope_theta=1000000.0, **ids,
                            tie_word_embeddings=False)
     if family == "opt":
-        return OPTConfig(**TINY, ffn_dim=96, word_embed_proj_dim=TINY["hidden_size"], activation_function="relu",
+        return OPTConfig(**shape, ffn_dim=ffn, word_embed_proj_dim=hidden, activation_function="relu",
                          **ids, pad_token_id=0, tie_word_embeddings=True)
     raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
 
@@ -96,6 +100,6 @@ def build_tiny(path: str | Path, config, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_family(path: str | Path, family: str) -> Path:
+def build_tiny_family(path: str | Path, family: str, head_dim: int = 8) -> Path:
     """The tiny ``family`` checkpoint (fixed seed per family) saved to ``path``."""
-    return build_tiny(path, tiny_config(family), SEEDS[family])
+    return build_tiny(path, tiny_config(family, head_dim), SEEDS[family])

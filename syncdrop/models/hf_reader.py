@@ -21,6 +21,16 @@ from syncdrop.models.config import ModelConfig, model_names
 from syncdrop.models.gguf_reader import normalize_index
 
 SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM")
+# `syncdrop export` names the architecture of a model with dropped sync points Syncdrop<arch>, the class its
+# vLLM plugin registers; the weights and every other key are those of <arch>
+SERVED_ARCH_PREFIX = "Syncdrop"
+
+
+def base_arch(arch: str | None) -> str | None:
+    """``SyncdropLlamaForCausalLM`` -> ``LlamaForCausalLM``; any other name unchanged."""
+    if arch and arch.startswith(SERVED_ARCH_PREFIX) and arch[len(SERVED_ARCH_PREFIX):] in SUPPORTED_HF_ARCHS:
+        return arch[len(SERVED_ARCH_PREFIX):]
+    return arch
 
 # defaults of the transformers 5 config classes for keys a config.json may omit
 _MAX_POS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
@@ -68,7 +78,7 @@ def _first_id(value: Any) -> int | None:
 def config_from_hf(raw: dict[str, Any], path: str = "<config.json>") -> ModelConfig:
     """Build a :class:`ModelConfig` from a transformers ``config.json`` dict."""
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = base_arch(archs[0]) if archs else None
     if arch not in SUPPORTED_HF_ARCHS:
         raise _bad(path, f"architecture {arch!r} unsupported (expected one of {', '.join(SUPPORTED_HF_ARCHS)})")
     hidden = int(_require(raw, "hidden_size", path))
@@ -171,7 +181,7 @@ def _opt_config(raw: dict[str, Any], path: str, common: dict[str, Any], extra: d
     )
 
 
-def _checkpoint_name(name: str, cfg: ModelConfig) -> str:
+def checkpoint_name(name: str, cfg: ModelConfig) -> str:
     """Checkpoint key (without the optional ``model.`` prefix) of canonical tensor ``name``."""
     opt = cfg.family == "opt"
     base = "decoder." if opt else ""
@@ -240,7 +250,7 @@ class HFCheckpoint:
             if not affine and ("norm." in name):
                 index[name] = None
                 continue
-            key = _checkpoint_name(name, cfg)
+            key = checkpoint_name(name, cfg)
             found = next((k for k in ("model." + key, key) if k in self._files), None)
             if found is None:
                 missing.append("model." + key if name != "lm_head" else key)

@@ -74,9 +74,10 @@ class CheckpointReader(Protocol):
 
 @dataclass(frozen=True)
 class TrainedWith:
-    """How a ``syncdrop train`` export was trained: ``plan.json`` beside its ``config.json`` and the
-    TP degree (``syncdrop_tp`` in ``config.json``). With partial sync the private channels are
-    per rank, so the model is only the trained one at that degree."""
+    """The plan a transformers directory was made for and its TP degree: how a ``syncdrop train``
+    export was trained (``plan.json``), or what a ``syncdrop export`` serves (``syncdrop_plan`` in
+    ``config.json``). With partial sync the private channels are per rank, so the model is only the
+    trained one at that degree."""
 
     plan: Any  # SyncPlan
     tp: int | None
@@ -184,18 +185,24 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def _trained_with(path: str, cfg: ModelConfig) -> TrainedWith | None:
-    """The training plan of a ``syncdrop train`` export (``plan.json`` in ``path``), else None."""
-    plan_path = os.path.join(path, "plan.json")
-    if not os.path.isfile(plan_path):
-        return None
+    """The plan a transformers directory carries, else None: ``plan.json`` beside ``config.json`` (a
+    ``syncdrop train`` export) or ``syncdrop_plan`` inside it (a ``syncdrop export``); the TP degree is
+    ``syncdrop_tp`` in ``config.json``."""
     from syncdrop.plan import SyncPlan
 
-    plan = SyncPlan.load(plan_path, cfg.num_layers)
     try:
         with open(os.path.join(path, "config.json")) as f:
-            tp = json.load(f).get("syncdrop_tp")
+            raw = json.load(f)
     except (OSError, json.JSONDecodeError):
-        tp = None
+        raw = {}
+    plan_path = os.path.join(path, "plan.json")
+    if os.path.isfile(plan_path):
+        plan = SyncPlan.load(plan_path, cfg.num_layers)
+    elif isinstance(raw.get("syncdrop_plan"), dict):
+        plan = SyncPlan.from_dict(raw["syncdrop_plan"], cfg.num_layers, source=f"{path}/config.json syncdrop_plan")
+    else:
+        return None
+    tp = raw.get("syncdrop_tp")
     return TrainedWith(plan, tp if isinstance(tp, int) and not isinstance(tp, bool) else None)
 
 

@@ -167,3 +167,34 @@ def rank_indices(cfg: ModelConfig, rs: RankSlice) -> dict[str, torch.Tensor]:
         "o": q,
         "ffn": torch.tensor(list(rs.ffn), dtype=torch.long),
     }
+
+
+def contiguous_orders(cfg: ModelConfig, layout: ShardLayout) -> tuple[list[int], list[int], list[int]]:
+    """The query-head, KV-head and MLP-channel orders after which a *contiguous, even* split over
+    ``layout.tp`` ranks -- the split Megatron-LM and vLLM make -- gives every rank exactly the heads and
+    channels ``layout`` gives it (ranks renumbered where needed: ranks are interchangeable).
+
+    Permuting q/k/v rows, o columns, gate/up rows and down columns of a block by these orders is an
+    exact re-parameterisation of the dense block (RoPE acts within a head), so the permutation can be
+    baked into the weights. Requires, as vLLM does, an even split (N divides the query heads and the
+    MLP width, and N divides the KV heads or the KV heads divide N) and, after the permutation, query
+    head ``n`` reading KV head ``n // group``: every KV group a rank reads lies on that rank alone, or
+    (N > KV heads) each rank reads one replicated KV head. Raises :class:`SyncdropError` with the
+    reason otherwise.
+    """
+    n, H, K, g, ffn = layout.tp, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.intermediate_size
+    if H % n or ffn % n or (K % n and n % K):
+        raise SyncdropError(f"a contiguous split over {n} ranks (Megatron-LM, vLLM) needs {n} to divide the "
+                            f"{H} query heads and the MLP width {ffn}, and {n} to divide the {K} KV heads or "
+                            f"the KV heads to divide {n}; this model cannot be sharded that way at TP={n}")
+    ranks = sorted(layout.ranks, key=lambda r: r.kv_heads)  # ranks that share a replicated KV head side by side
+    if any(len(r.q_heads) != H // n or len(r.ffn) != ffn // n for r in ranks):
+        raise SyncdropError(f"the layout gives ranks unequal numbers of heads or MLP channels ({layout.describe()})")
+    q_order = [h for r in ranks for h in sorted(r.q_heads, key=lambda h: (h // g, h))]
+    kv_order: list[int] = []
+    for r in ranks:
+        kv_order += [k for k in r.kv_heads if not kv_order or kv_order[-1] != k]
+    if sorted(kv_order) != list(range(K)) or any(kv_order[i // g] != q_order[i] // g for i in range(H)):
+        raise SyncdropError("the layout puts query heads of one KV group on different ranks together with other "
+                            f"groups ({layout.describe()}); a contiguous split cannot reproduce it")
+    return q_order, kv_order, [c for r in ranks for c in r.ffn]

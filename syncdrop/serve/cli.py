@@ -1,0 +1,34 @@
+"""``syncdrop export``: write a model and its plan as a transformers directory that vLLM serves."""
+
+from __future__ import annotations
+
+import argparse
+
+from syncdrop.cli_args import MODEL_HELP, at_least
+from syncdrop.plan import PLAN_SPEC_HELP
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from syncdrop.serve.export import export_model
+
+    at_least(args, 1, "tp")
+    res = export_model(args.model, args.tp, args.out, args.plan, force=args.force, progress=not args.quiet)
+    print(f"wrote {res.out} ({res.bytes_written / 2**20:.0f} MB of weights): {res.architecture}, TP={res.tp}, "
+          f"plan {res.plan.summary()}"
+          + (f"; distilled blocks {res.distilled_blocks}" if res.distilled_blocks else "")
+          + (f"; head grouping baked into blocks {res.permuted_blocks}" if res.permuted_blocks else ""))
+    print(f"serve it: vllm serve {res.out} --tensor-parallel-size {res.tp}"
+          + ("  (the syncdrop vLLM plugin must be installed: pip install syncdrop)" if res.plan.dropped else ""))
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a model and its sync plan as a transformers directory for vLLM")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP + " | a `syncdrop distill` directory")
+    p.add_argument("--tp", type=int, required=True, help="the tensor-parallel degree it will be served at")
+    p.add_argument("--plan", default=None, help=f"sync plan: {PLAN_SPEC_HELP} (default: the model's own plan, "
+                   "else none)")
+    p.add_argument("--out", required=True, help="output directory (new or empty, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,143 @@
+"""SPD variants of vLLM's Llama, Mistral, Qwen2 and OPT models (imported by vLLM, through the plugin).
+
+A ``Syncdrop<arch>`` model is vLLM's own ``<arch>`` with the blocks its plan drops (``syncdrop_plan``
+in ``config.json``, written by ``syncdrop export``) turned into SPD blocks after construction; every
+other block, the embeddings, the LM head, the weight loading and the attention backend stay stock.
+
+The SPD block (docs/methods.md; papers.md section 2), on this rank's partials: ``P_r`` = o_proj output of
+the rank's heads and ``Z_r`` = down output of its MLP channels, both bias-free and not reduced::
+
+    H_r   = X + P_r + b_o                          rank-local MLP input
+    Z_r   = MLP_r(norm(H_r))
+    X_out = X + AllReduce(P_r + Z_r) + b_o + b_down   one sync point; biases added once, after it
+
+The row-parallel o_proj and down layers are vLLM's ``RowParallelLinear`` with ``reduce_results`` and
+the bias switched off (``skip_bias_add``), so only the one all-reduce above communicates. Llama-family
+layers carry the residual beside the hidden state (``(hidden, residual)``, summed by the next fused
+add-norm): an SPD block returns ``(AllReduce(P_r + Z_r) + biases, X)``. OPT layers return the sum.
+Nothing here is device-specific: the same classes run on vLLM's CPU and CUDA backends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.distributed import tensor_model_parallel_all_reduce
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.opt import OPTForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+from syncdrop.plan import SyncPlan
+
+
+def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x if b is None else x + b
+
+
+def _unreduced(linear: nn.Module) -> torch.Tensor | None:
+    """Switch a ``RowParallelLinear`` to return its bias-free partial (no all-reduce, no bias); return
+    its bias, which the SPD block adds once after its own all-reduce."""
+    linear.reduce_results = False
+    linear.skip_bias_add = True
+    return linear.bias
+
+
+class SPDLlamaDecoderLayer(nn.Module):
+    """Forward of an SPD block for vLLM's Llama-family decoder layers (Llama, Mistral, Qwen2): the same
+    modules (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``), one sync point."""
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states  # X
+            xn = self.input_layernorm(hidden_states)
+        else:
+            xn, residual = self.input_layernorm(hidden_states, residual)  # X = hidden + residual
+        p = self.self_attn(positions=positions, hidden_states=xn)  # (T, h): this rank's partial P_r
+        b_o, b_down = self.self_attn.o_proj.bias, self.mlp.down_proj.bias
+        z = self.mlp(self.post_attention_layernorm(_add(residual + p, b_o)))  # (T, h): Z_r
+        out = tensor_model_parallel_all_reduce(p + z)
+        return _add(_add(out, b_o), b_down), residual
+
+
+class SPDOPTDecoderLayer(nn.Module):
+    """Forward of an SPD block for vLLM's OPT decoder layer (pre-norm only)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states
+        p = self.self_attn(hidden_states=self.self_attn_layer_norm(x))  # (T, h): P_r
+        b_o, b_down = self.self_attn.out_proj.bias, self.fc2.bias
+        y, _ = self.fc1(self.final_layer_norm(_add(x + p, b_o)))
+        z, _ = self.fc2(self.activation_fn(y))  # Z_r
+        return _add(_add(x + tensor_model_parallel_all_reduce(p + z), b_o), b_down)
+
+
+_SPD_CLASSES: dict[type, type] = {}
+
+
+def _spd_class(stock: type, spd_forward: type) -> type:
+    """``stock`` with ``spd_forward``'s forward (cached: one class per stock layer class)."""
+    if stock not in _SPD_CLASSES:
+        _SPD_CLASSES[stock] = type(f"SPD{stock.__name__}", (stock,), {"forward": spd_forward.forward})
+    return _SPD_CLASSES[stock]
+
+
+def plan_of(hf_config) -> SyncPlan:
+    """The plan ``syncdrop export`` recorded in ``config.json`` (``syncdrop_plan``), checked for serving."""
+    raw = getattr(hf_config, "syncdrop_plan", None)
+    if raw is None:
+        raise ValueError("config.json has no syncdrop_plan: export the model with `syncdrop export`")
+    plan = SyncPlan.from_dict(raw, hf_config.num_hidden_layers, source="config.json syncdrop_plan")
+    blocker = plan.contiguous_serving_blocker()
+    if blocker:
+        raise ValueError(f"syncdrop plugin: {blocker}")
+    return plan
+
+
+def convert_dropped(layers: nn.ModuleList, plan: SyncPlan, opt: bool = False) -> list[int]:
+    """Turn the layers ``plan`` drops into SPD blocks, in place; return their indices. Layers this
+    pipeline stage does not hold (vLLM's ``PPMissingLayer``) are skipped."""
+    done = []
+    for i in plan.dropped:
+        layer = layers[i]
+        if opt:
+            if not hasattr(layer, "fc2"):
+                continue
+            if not layer.do_layer_norm_before:
+                raise ValueError("syncdrop plugin: the SPD block needs a pre-norm OPT (do_layer_norm_before)")
+            _unreduced(layer.self_attn.out_proj), _unreduced(layer.fc2)
+            layer.__class__ = _spd_class(type(layer), SPDOPTDecoderLayer)
+        else:
+            if not hasattr(layer, "mlp"):
+                continue
+            if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
+                raise ValueError("syncdrop plugin: time-conditioned Mistral layers are not supported")
+            _unreduced(layer.self_attn.o_proj), _unreduced(layer.mlp.down_proj)
+            layer.__class__ = _spd_class(type(layer), SPDLlamaDecoderLayer)
+        done.append(i)
+    return done
+
+
+class SyncdropLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
+        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
+
+
+class SyncdropMistralForCausalLM(MistralForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
+        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
+
+
+class SyncdropQwen2ForCausalLM(Qwen2ForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
+        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
+
+
+class SyncdropOPTForCausalLM(OPTForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
+        convert_dropped(self.model.decoder.layers, plan_of(vllm_config.model_config.hf_config), opt=True)
