@@ -64,14 +64,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def tiny_config(family: str, head_dim: int = 8):
+def tiny_config(family: str, head_dim: int = 8, vocab_size: int | None = None):
     """The transformers config of the tiny ``family`` model (see the module table). ``head_dim`` scales
-    the widths (hidden = 6 heads x head_dim, MLP = 2 x hidden): vLLM's CPU attention needs head_dim >= 32."""
+    the widths (hidden = 6 heads x head_dim, MLP = 2 x hidden) and ``vocab_size`` may exceed the tokenizer's
+    300 entries: vLLM's CPU attention needs head_dim >= 32, and vLLM pads the vocabulary to a multiple of 64
+    that TP must divide (384 serves TP = 2 and 3)."""
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     ids = dict(bos_token_id=1, eos_token_id=2)
     hidden = TINY["num_attention_heads"] * head_dim
-    shape = {**TINY, "hidden_size": hidden}
+    shape = {**TINY, "hidden_size": hidden, "vocab_size": vocab_size or TINY["vocab_size"]}
     ffn = 2 * hidden
     if family == "llama":
         return LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=ffn, rope_theta=10000.0, **ids,
@@ -100,6 +102,6 @@ def build_tiny(path: str | Path, config, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_family(path: str | Path, family: str, head_dim: int = 8) -> Path:
+def build_tiny_family(path: str | Path, family: str, head_dim: int = 8, vocab_size: int | None = None) -> Path:
     """The tiny ``family`` checkpoint (fixed seed per family) saved to ``path``."""
-    return build_tiny(path, tiny_config(family, head_dim), SEEDS[family])
+    return build_tiny(path, tiny_config(family, head_dim, vocab_size), SEEDS[family])

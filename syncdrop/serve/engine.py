@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -53,13 +54,20 @@ def engine_env(tp: int) -> dict[str, str]:
 
 
 def _failure_line(log_text: str) -> str:
-    """The most telling line of a failed vLLM log: the last exception message, else the last line."""
+    """The most telling line of a failed vLLM log: the first exception a worker or the engine core logged
+    (the root cause; vLLM's last line only says "see root cause above"), else the last exception, else
+    the last line."""
     lines = [ln.rstrip() for ln in log_text.splitlines() if ln.strip()]
+    exc = re.compile(r"\b(\w+(Error|Exception)): (.*)")
+    for ln in lines:
+        m = exc.search(ln)
+        if m and " ERROR " in ln:
+            return f"{m[1]}: {m[3]}"[:400]
     for i in range(len(lines) - 1, -1, -1):
-        ln = lines[i].strip()
-        if ("Error" in ln or "Exception" in ln) and not ln.startswith(("File ", "Traceback")):
-            detail = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith(" ") else ""
-            return (ln + (": " + detail.strip() if detail else ""))[:400]
+        m = exc.search(lines[i])
+        if m:
+            detail = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith(" ") else ""
+            return (f"{m[1]}: {m[3]}" + (f" {detail}" if detail else ""))[:400]
     return lines[-1].strip()[-300:] if lines else "no output"
 
 

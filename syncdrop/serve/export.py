@@ -42,6 +42,7 @@ from syncdrop.plan import SyncPlan
 log = logging.getLogger(__name__)
 
 EXPORT_FORMAT = 1
+VLLM_VOCAB_PAD = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
 Orders = tuple[list[int], list[int], list[int]]  # (q_order, kv_order, ffn_order)
 
 
@@ -66,6 +67,11 @@ def _block_orders(cfg, tp: int, layouts: dict[int, ShardLayout]) -> dict[int, Or
         contiguous_orders(cfg, default)
     except SyncdropError as e:
         raise SyncdropError(f"{tp}: vLLM cannot serve it: {e}", field="tp") from e
+    padded = -(-cfg.vocab_size // VLLM_VOCAB_PAD) * VLLM_VOCAB_PAD
+    if padded % tp:
+        raise SyncdropError(f"{tp}: vLLM cannot serve it: it pads the vocabulary ({cfg.vocab_size}) to a multiple of "
+                            f"{VLLM_VOCAB_PAD} ({padded}) and splits that over the ranks, which {tp} does not divide",
+                            field="tp")
     out = {}
     for i, layout in sorted(layouts.items()):
         try:
