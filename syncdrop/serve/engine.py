@@ -94,3 +94,82 @@ def run_job(job: dict[str, Any], log_path: str | Path, timeout: float = 900.0) -
             raise SyncdropError(f"vLLM failed on {job['model']} at TP={job['tp']} ({why}); log: {log_path}",
                                 field="engine")
         return json.loads(Path(job["out"]).read_text())
+
+
+def serve_argv(model_dir: str | Path, tp: int, host: str = "127.0.0.1", port: int = 8000) -> list[str]:
+    """vLLM's OpenAI-compatible server on ``model_dir`` at ``tp`` ranks, started with the vLLM interpreter
+    (``python -m vllm.entrypoints.openai.api_server`` is what ``vllm serve`` runs; the CPU build's ``vllm``
+    script cannot find its own package metadata, so the module is started directly)."""
+    return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--tensor-parallel-size", str(tp), "--host", host, "--port", str(port)]
+
+
+def serve_command_line(model_dir: str | Path, tp: int) -> dict[str, str]:
+    """The command lines a user runs to serve an export: the CUDA ``vllm`` package and the CPU build."""
+    return {"gpu": f"vllm serve {model_dir} --tensor-parallel-size {tp}",
+            "cpu": f"python -m vllm.entrypoints.openai.api_server --model {model_dir} --tensor-parallel-size {tp} "
+                   "--dtype float32"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``with VllmServer(dir, tp, log) as url:`` -- vLLM's OpenAI server on 127.0.0.1, ready (``/health``
+    answers 200) when the block starts, stopped with SIGINT (then SIGKILL after ``stop_s``) when it ends.
+    ``exit_code`` is the server's exit status afterwards. A server that exits or does not get ready within
+    ``timeout`` raises one :class:`SyncdropError` naming the log."""
+
+    def __init__(self, model_dir: str | Path, tp: int, log_path: str | Path, timeout: float = 600.0,
+                 stop_s: float = 60.0, extra_args: list[str] | None = None) -> None:
+        self.model_dir, self.tp, self.log_path = str(model_dir), tp, Path(log_path)
+        self.timeout, self.stop_s, self.extra = timeout, stop_s, list(extra_args or [])
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+
+    def __enter__(self) -> str:
+        import time
+        import urllib.request
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(serve_argv(self.model_dir, self.tp, port=self.port) + self.extra, stdout=log,
+                                     stderr=subprocess.STDOUT, env=engine_env(self.tp), start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._fail(f"exit {self.proc.returncode}: {_failure_line(self.log_path.read_text())}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:
+                time.sleep(1.0)
+        self._fail(f"not ready after {self.timeout:.0f}s")
+        raise AssertionError("unreachable")
+
+    def _fail(self, why: str) -> None:
+        self.__exit__(None, None, None)
+        raise SyncdropError(f"vLLM server on {self.model_dir} at TP={self.tp} failed ({why}); log: {self.log_path}",
+                            field="engine")
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=self.stop_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.exit_code = self.proc.returncode
