@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -52,7 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from syncdrop.bench.latency import latency_bench, markdown_table
-    from syncdrop.eval.data import load_text
+    from syncdrop.eval.data import prompt_tokens
     from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel import dist
@@ -64,6 +65,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     positive(args, "target_ci")
     if args.max_reps is not None and args.max_reps < args.reps:
         raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
+    if args.engine == "vllm":
+        return _bench_vllm(args)
     if args.tp > 1 and not dist.launched_by_torchrun():
         raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
     if args.executor == "hf":
@@ -78,12 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     L = built.source.config.num_layers
     plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
              for s in specs]
-    text = load_text(args.dataset, args.data_dir).text
-    n_chars = 40 * args.prompt_len * args.batch  # plenty of text for the prompt tokens
-    ids = built.source.load_tokenizer()(text[:n_chars], add_special_tokens=False)["input_ids"]
-    if len(ids) < args.prompt_len * args.batch:
-        raise SyncdropError(f"--dataset has fewer than {args.prompt_len * args.batch} tokens")
-    prompt = torch.tensor(ids[: args.prompt_len * args.batch]).view(args.batch, args.prompt_len)
+    ids = prompt_tokens(built.source.load_tokenizer(), args.dataset, args.prompt_len * args.batch, args.data_dir)
+    prompt = torch.tensor(ids).view(args.batch, args.prompt_len)
     for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
         built.use_plan(plan)
     res = latency_bench(built.use_plan, plans, prompt, args.decode_tokens, args.reps, args.warmup,
@@ -108,6 +107,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(table)
     if args.json:
         atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": memory, **res})
+        atomic_write_text(args.json.removesuffix(".json") + ".md", table)
+    return 0
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    """``syncdrop bench --engine vllm``: the plans measured inside vLLM (:mod:`syncdrop.serve.vllm_bench`)."""
+    import tempfile
+
+    from syncdrop.bench.latency import markdown_table
+    from syncdrop.eval.data import prompt_tokens
+    from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.plan import split_plan_list
+    from syncdrop.serve.vllm_bench import vllm_bench
+
+    if args.batch != 1 or args.launch or args.executor != "auto":
+        raise SyncdropError("--engine vllm measures batch 1 in vLLM's own runtime: drop --batch, --launch and "
+                            "--executor")
+    if "model" in split_plan_list(args.plans):
+        raise SyncdropError("--engine vllm times plan specs (weights do not change latency): list them, not `model`")
+    link = link_from_args(args)
+    source = resolve_model(args.model)
+    _check_bench_link(args, source.config)
+    prompt = prompt_tokens(source.load_tokenizer(), args.dataset, args.prompt_len, args.data_dir)
+    with tempfile.TemporaryDirectory(prefix="syncdrop_vllm_bench_") as tmp:
+        work = os.path.dirname(os.path.abspath(args.json)) if args.json else tmp
+        res = vllm_bench(args.model, args.tp, split_plan_list(args.plans), prompt, args.decode_tokens, args.reps,
+                         args.warmup, os.path.join(work, "vllm_work"), link, args.max_reps, args.target_ci,
+                         stock=args.stock, dtype=args.dtype)
+    settings = {"model": source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": 1,
+                "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
+                "link": link.to_dict(), "link_description": link.describe(), "engine": res["engine"]["name"],
+                "max_reps": args.max_reps, "target_ci": args.target_ci, "hidden_size": source.config.hidden_size,
+                "num_layers": source.config.num_layers, "model_spec": args.model,
+                "model_config": source.config.to_dict()}
+    table = markdown_table(res)
+    print(f"{source.name} in vLLM ({res['engine']['name']}) TP={args.tp}, prompt {args.prompt_len}, "
+          f"{args.decode_tokens} decode tokens, link: {link.describe()}, medians of {res['reps_run']} interleaved "
+          "reps [95% intervals]")
+    print(table)
+    if args.json:
+        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), **res})
         atomic_write_text(args.json.removesuffix(".json") + ".md", table)
     return 0
 
@@ -249,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank, each rank pinned to its own cores (default: cores / ranks)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--engine", default="syncdrop", choices=["syncdrop", "vllm"],
+                   help="syncdrop (default): syncdrop's runtime (--launch for --tp > 1); vllm: the plans served "
+                        "in vLLM through the syncdrop plugin, one engine, link emulated inside vLLM's all-reduce")
+    p.add_argument("--stock", action="store_true",
+                   help="with --engine vllm: unmodified vLLM on the original architecture (plan none only)")
     p.add_argument("--dataset", default="auto", help="text the prompt is cut from (default auto)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="write results JSON (and a .md table beside it)")
@@ -288,6 +334,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from syncdrop.plan import parse_plan
     from syncdrop.runtime import check_checkpoint_tp, resolve_plan
 
+    if getattr(args, "engine", "syncdrop") == "vllm":
+        raise SyncdropError("--engine vllm starts vLLM's own ranks: drop --launch")
     source = resolve_model(args.model)
     cfg = source.config
     check_tp(cfg, args.tp)

@@ -163,6 +163,21 @@ def latency_bench(
                 if converged or done >= max_reps:
                     break
 
+    return summarize(plans, samples, sync_prefill, sync_decode, gather_prefill, hidden, ar, sizes, converged,
+                     target_rel_ci)
+
+
+def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, list[float]]],
+              sync_prefill: list[list[float]], sync_decode: list[list[float]], gather_prefill: list[float],
+              hidden: int, ar: dict, sizes: list[dict], converged: bool, target_rel_ci: float) -> dict:
+    """The result sections of a latency benchmark from its raw samples, whatever engine measured them
+    (syncdrop's runtime here, vLLM in :mod:`syncdrop.serve.vllm_bench`): ``samples[spec]`` holds the
+    interleaved reps' TTFT and mean decode-step seconds; ``sync_prefill`` / ``sync_decode`` the
+    baseline plan's per-sync-point seconds per rep (slowest rank), in the order of
+    :meth:`SyncPlan.sync_points`; ``ar`` / ``sizes`` the isolated all-reduce timings."""
+    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
+    base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
+    points = base_plan.sync_points(hidden)
     n = len(sync_prefill)
     base = samples[base_spec]
     rows = []

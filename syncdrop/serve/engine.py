@@ -71,7 +71,8 @@ def _failure_line(log_text: str) -> str:
     return lines[-1].strip()[-300:] if lines else "no output"
 
 
-def run_job(job: dict[str, Any], log_path: str | Path, timeout: float = 900.0) -> dict[str, Any]:
+def run_job(job: dict[str, Any], log_path: str | Path, timeout: float = 900.0,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one :mod:`~syncdrop.serve.vllm_run` job (model, tp, prompts...) and return its result; the
     engine's output goes to ``log_path``. A failure raises one :class:`SyncdropError` naming the log."""
     log_path = Path(log_path)
@@ -83,7 +84,8 @@ def run_job(job: dict[str, Any], log_path: str | Path, timeout: float = 900.0) -
         with log_path.open("w") as log:
             try:
                 r = subprocess.run([vllm_python(), "-m", "syncdrop.serve.vllm_run", str(job_file)], stdout=log,
-                                   stderr=subprocess.STDOUT, env=engine_env(int(job["tp"])), timeout=timeout,
+                                   stderr=subprocess.STDOUT, env=engine_env(int(job["tp"])) | (env or {}),
+                                   timeout=timeout,
                                    cwd=tmp)
                 code = r.returncode
             except subprocess.TimeoutExpired:

@@ -12,7 +12,7 @@ the rank's heads and ``Z_r`` = down output of its MLP channels, both bias-free a
     X_out = X + AllReduce(P_r + Z_r) + b_o + b_down   one sync point; biases added once, after it
 
 The row-parallel o_proj and down layers are vLLM's ``RowParallelLinear`` with ``reduce_results`` and
-the bias switched off (``skip_bias_add``), so only the one all-reduce above communicates. Llama-family
+the bias switched off (``skip_bias_add``; :func:`set_spd`), so only the one all-reduce above communicates. Llama-family
 layers carry the residual beside the hidden state (``(hidden, residual)``, summed by the next fused
 add-norm): an SPD block returns ``(AllReduce(P_r + Z_r) + biases, X)``. OPT layers return the sum.
 Nothing here is device-specific: the same classes run on vLLM's CPU and CUDA backends.
@@ -35,20 +35,14 @@ def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x if b is None else x + b
 
 
-def _unreduced(linear: nn.Module) -> torch.Tensor | None:
-    """Switch a ``RowParallelLinear`` to return its bias-free partial (no all-reduce, no bias); return
-    its bias, which the SPD block adds once after its own all-reduce."""
-    linear.reduce_results = False
-    linear.skip_bias_add = True
-    return linear.bias
-
-
 class SPDLlamaDecoderLayer(nn.Module):
     """Forward of an SPD block for vLLM's Llama-family decoder layers (Llama, Mistral, Qwen2): the same
     modules (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``), one sync point."""
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.spd_active:
+            return self.stock_forward(positions, hidden_states, residual, **kw)
         if residual is None:
             residual = hidden_states  # X
             xn = self.input_layernorm(hidden_states)
@@ -65,6 +59,8 @@ class SPDOPTDecoderLayer(nn.Module):
     """Forward of an SPD block for vLLM's OPT decoder layer (pre-norm only)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.spd_active:
+            return self.stock_forward(hidden_states)
         x = hidden_states
         p = self.self_attn(hidden_states=self.self_attn_layer_norm(x))  # (T, h): P_r
         b_o, b_down = self.self_attn.out_proj.bias, self.fc2.bias
@@ -77,10 +73,48 @@ _SPD_CLASSES: dict[type, type] = {}
 
 
 def _spd_class(stock: type, spd_forward: type) -> type:
-    """``stock`` with ``spd_forward``'s forward (cached: one class per stock layer class)."""
+    """``stock`` with ``spd_forward``'s forward, the stock one kept as ``stock_forward`` (one class per stock
+    layer class)."""
     if stock not in _SPD_CLASSES:
-        _SPD_CLASSES[stock] = type(f"SPD{stock.__name__}", (stock,), {"forward": spd_forward.forward})
+        _SPD_CLASSES[stock] = type(f"SPD{stock.__name__}", (stock,),
+                                   {"forward": spd_forward.forward, "stock_forward": stock.forward})
     return _SPD_CLASSES[stock]
+
+
+def _row_parallel(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The two row-parallel layers of a decoder layer: (o_proj, down) / OPT's (out_proj, fc2)."""
+    if hasattr(layer, "fc2"):
+        return layer.self_attn.out_proj, layer.fc2
+    return layer.self_attn.o_proj, layer.mlp.down_proj
+
+
+def set_spd(layer: nn.Module, active: bool) -> None:
+    """Run a converted layer as the SPD block (``active``) or as the stock block: the row-parallel layers
+    reduce and add their bias themselves exactly when the block is stock."""
+    for linear in _row_parallel(layer):
+        linear.reduce_results = not active
+        linear.skip_bias_add = active
+    layer.spd_active = active
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = model.model
+    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
+
+
+def set_dropped(model: nn.Module, dropped: list[int]) -> list[int]:
+    """Switch a ``Syncdrop<arch>`` model to another plan of SPD blocks without reloading (benchmarks run the
+    plans of one engine interleaved; ``LLM.apply_model``): converted layers in ``dropped`` run SPD, the
+    others stock. Only layers the model's own plan drops are converted; asking for another raises."""
+    layers = decoder_layers(model)
+    want = set(dropped)
+    convertible = {i for i, layer in enumerate(layers) if hasattr(layer, "spd_active")}
+    held = {i for i, layer in enumerate(layers) if hasattr(layer, "fc2") or hasattr(layer, "mlp")}
+    if want & held - convertible:
+        raise ValueError(f"blocks {sorted(want & held - convertible)} were not exported as SPD blocks")
+    for i in convertible:
+        set_spd(layers[i], i in want)
+    return sorted(want & convertible)
 
 
 def plan_of(hf_config) -> SyncPlan:
@@ -106,15 +140,14 @@ def convert_dropped(layers: nn.ModuleList, plan: SyncPlan, opt: bool = False) ->
                 continue
             if not layer.do_layer_norm_before:
                 raise ValueError("syncdrop plugin: the SPD block needs a pre-norm OPT (do_layer_norm_before)")
-            _unreduced(layer.self_attn.out_proj), _unreduced(layer.fc2)
             layer.__class__ = _spd_class(type(layer), SPDOPTDecoderLayer)
         else:
             if not hasattr(layer, "mlp"):
                 continue
             if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
                 raise ValueError("syncdrop plugin: time-conditioned Mistral layers are not supported")
-            _unreduced(layer.self_attn.o_proj), _unreduced(layer.mlp.down_proj)
             layer.__class__ = _spd_class(type(layer), SPDLlamaDecoderLayer)
+        set_spd(layer, True)
         done.append(i)
     return done
 

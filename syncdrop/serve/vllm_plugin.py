@@ -4,6 +4,8 @@ vLLM calls :func:`register` in every process it starts. It registers ``Syncdrop<
 architectures syncdrop loads, lazily (``"module:Class"``: nothing of vLLM's model code, and nothing of
 CUDA, is imported until a model of that architecture is built). A directory written by ``syncdrop
 export`` with a plan that drops sync points names one of these architectures in its ``config.json``.
+It also installs :mod:`syncdrop.serve.vllm_link` when ``SYNCDROP_LINK_*`` or ``SYNCDROP_VLLM_INSTRUMENT``
+is set (benchmarks only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ def served_architectures() -> dict[str, str]:
 
 def register() -> None:
     from vllm import ModelRegistry
+
+    from syncdrop.serve.vllm_link import install
+
+    install()  # the link emulation and the collective clock, only when the environment asks (vllm_link)
 
     known = set(ModelRegistry.get_supported_archs())
     for arch, target in served_architectures().items():
