@@ -54,19 +54,20 @@ def main() -> int:
     ap.add_argument("--link-bandwidth", default="100MB/s")
     ap.add_argument("--link-latency", default="50us")
     ap.add_argument("--out", default="results/vllm_latency")
-    ap.add_argument("--parts", default="vllm,stock,syncdrop")
+    ap.add_argument("--parts", default="vllm,stock,syncdrop", help="parts to (re)run; the others are read back")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plans = ",".join(f"frac:{f}" for f in args.fractions.split(","))
     parts = args.parts.split(",")
     runs = {}
-    if "vllm" in parts:
-        runs["vllm"] = bench(args, out / "vllm.json", ["--engine", "vllm", "--plans", plans])
-    if "stock" in parts:
-        runs["stock"] = bench(args, out / "stock.json", ["--engine", "vllm", "--stock", "--plans", "none"])
-    if "syncdrop" in parts:
-        runs["syncdrop"] = bench(args, out / "syncdrop.json", ["--launch", "--plans", plans])
+    argv = {"vllm": ["--engine", "vllm", "--plans", plans], "stock": ["--engine", "vllm", "--stock", "--plans", "none"],
+            "syncdrop": ["--launch", "--plans", plans]}
+    for part, extra in argv.items():  # parts not rerun are read back from their files, when there
+        if part in parts:
+            runs[part] = bench(args, out / f"{part}.json", extra)
+        elif (out / f"{part}.json").is_file():
+            runs[part] = json.loads((out / f"{part}.json").read_text())
     lines = [f"{args.model}, TP={args.tp}, prompt {args.prompt_len} tokens, {args.decode_tokens} decode tokens, link "
              f"{args.link_bandwidth} + {args.link_latency} per ring step (emulated); medians with 95% bootstrap "
              "intervals over interleaved reps within each runtime; the runtimes ran one after another.", "",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -113,8 +112,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_vllm(args: argparse.Namespace) -> int:
     """``syncdrop bench --engine vllm``: the plans measured inside vLLM (:mod:`syncdrop.serve.vllm_bench`)."""
-    import tempfile
-
     from syncdrop.bench.latency import markdown_table
     from syncdrop.eval.data import prompt_tokens
     from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
@@ -131,11 +128,9 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     _check_bench_link(args, source.config)
     prompt = prompt_tokens(source.load_tokenizer(), args.dataset, args.prompt_len, args.data_dir)
-    with tempfile.TemporaryDirectory(prefix="syncdrop_vllm_bench_") as tmp:
-        work = os.path.dirname(os.path.abspath(args.json)) if args.json else tmp
-        res = vllm_bench(args.model, args.tp, split_plan_list(args.plans), prompt, args.decode_tokens, args.reps,
-                         args.warmup, os.path.join(work, "vllm_work"), link, args.max_reps, args.target_ci,
-                         stock=args.stock, dtype=args.dtype)
+    res = vllm_bench(args.model, args.tp, split_plan_list(args.plans), prompt, args.decode_tokens, args.reps,
+                     args.warmup, args.work_dir, link, args.max_reps, args.target_ci, stock=args.stock,
+                     dtype=args.dtype)
     settings = {"model": source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": 1,
                 "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
                 "link": link.to_dict(), "link_description": link.describe(), "engine": res["engine"]["name"],
@@ -295,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in vLLM through the syncdrop plugin, one engine, link emulated inside vLLM's all-reduce")
     p.add_argument("--stock", action="store_true",
                    help="with --engine vllm: unmodified vLLM on the original architecture (plan none only)")
+    p.add_argument("--work-dir", default="runs/vllm_bench",
+                   help="with --engine vllm: where the served export and the engine log go (default runs/vllm_bench)")
     p.add_argument("--dataset", default="auto", help="text the prompt is cut from (default auto)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="write results JSON (and a .md table beside it)")

@@ -343,6 +343,21 @@ def test_bench_refuses_a_link_slower_than_the_timeout(tiny_llama_dir, text_file,
                    "prompt or a longer --dist-timeout"]
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--plans", " , "], "--plans ' , ': list at least one plan"),
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--launch", "--engine", "vllm"], "--engine vllm starts vLLM's own ranks: drop --launch"),
+    (["--engine", "vllm", "--plans", "none,model"], "--engine vllm times plan specs"),
+    (["--engine", "vllm", "--stock", "--plans", "none,all"], "--plans stock vLLM runs plan none only"),
+    (["--engine", "vllm", "--plans", "partial:0.5"], "partial-sync (CAAT-Net) plans are not served"),
+])
+def test_bench_bad_input_is_one_line(tiny_llama_dir, text_file, args, message, capsys) -> None:
+    argv = ["bench", "--model", str(tiny_llama_dir), "--tp", "2", "--dataset", str(text_file), "-q", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 # ---------------------------------------------------------------- slow-link emulation
 
 @pytest.fixture

@@ -40,6 +40,9 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                    help="repeat the benchmark up to this many reps until every median TTFT has a 95%% interval "
                         "within +-3%% (default 30)")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--engine", default="syncdrop", choices=["syncdrop", "vllm"],
+                   help="benchmark candidates in syncdrop's runtime (default) or served in vLLM; vllm also writes "
+                        "the chosen plan with `syncdrop export` to OUT/export and gives the vllm serve command")
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="run directory (stages cached here; report.html, report.md)")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -65,12 +68,14 @@ def cmd_auto(args: argparse.Namespace) -> int:
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
-                     args.reps, args.data_dir, args.device, args.max_reps)
+                     args.reps, args.data_dir, args.device, args.max_reps, args.engine)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
     ttft = "" if c["measured_ttft_ms"] is None else f", measured TTFT {c['measured_ttft_ms']:.1f} ms"
     print(f"chosen: SPD fraction {c['fraction']:g} ({c['variant']}), perplexity {c['ppl']:.3f} "
           f"({c['ppl_increase']:+.2%}){ttft}")
     print(f"reason: {res['reason']}")
+    if res.get("served"):
+        print(f"serve it: {res['served']['serve']['gpu']}  (CPU: {res['served']['serve']['cpu']})")
     print(f"report: {res['report_html']} (and {res['report_md']})")
     return 0

@@ -22,14 +22,18 @@ Stages:
 4. ``ppl``: test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot and distilled.
 5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate
    (skipped when lm-eval is not installed or no task data can be found).
-6. ``bench``: ``syncdrop bench --launch`` without and with the link emulation (time to first token,
-   decode step per candidate), and the cost model calibrated on the first, predicting the second.
+6. ``bench``: ``syncdrop bench --launch`` (``--engine vllm``: ``syncdrop bench --engine vllm``, the
+   candidates served in vLLM) without and with the link emulation (time to first token, decode step per
+   candidate), and the cost model calibrated on the first, predicting the second.
 7. ``choice``: a candidate other than dense only when the measurement supports it: its perplexity
    increase (distilled, else zero-shot) is within ``--max-ppl-increase``, its measured TTFT gain over
    dense on the user's emulated link is significant (the 95% interval of TTFT / dense lies below 1)
    and the cost model predicts its TTFT within 15%; the fastest such one by measured TTFT. When none
    qualifies: dense, and the reason says why each candidate failed. ``--spd`` takes the nearest
    fraction (the reason says whether its gain is significant).
+``export`` (``--engine vllm`` only): the chosen candidate written by ``syncdrop export`` to ``DIR/export``;
+   the report gives the ``vllm serve`` command line.
+
 8. ``report``: ``report.md`` and a self-contained ``report.html`` (plots embedded) with the JSON
    behind every figure (:mod:`syncdrop.auto.report`).
 """
@@ -77,6 +81,7 @@ class AutoSettings:
     data_dir: str | None = None
     device: str = "auto"  # where profile, distillation, perplexity and the bench run (not part of stage keys)
     max_reps: int = 30
+    engine: str = "syncdrop"  # where candidates are benchmarked: syncdrop's runtime, or vLLM (then exported)
 
     def runtime(self):
         """The single-process runtime of the in-process stages (the bench runs `syncdrop bench --launch`)."""
@@ -130,6 +135,15 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
         raise SyncdropError(f"--tp must be at least 2 (at --tp {s.tp} there is no sync point to drop)")
     if (s.spd is None) == (s.max_ppl_increase is None):
         raise SyncdropError("give exactly one of --spd or --max-ppl-increase")
+    if s.engine not in ENGINES:
+        raise SyncdropError(f"--engine must be one of {', '.join(ENGINES)}, got {s.engine!r}")
+    if s.engine == "vllm":  # before any stage: the chosen plan must be servable at this TP
+        from syncdrop.models.loading import resolve_model
+        from syncdrop.serve.engine import vllm_python
+        from syncdrop.serve.export import check_servable
+
+        check_servable(resolve_model(s.model).config, s.tp)
+        vllm_python()
     for f in s.fractions:
         if not 0 <= f <= 1:
             raise SyncdropError(f"--fractions: {f} is not between 0 and 1")
@@ -153,12 +167,15 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                    lambda: _bench(s, root, plans, link))
     choice = st.run("choice", [ppl["inputs_sha256"], bench["inputs_sha256"], s.max_ppl_increase, s.spd],
                     lambda: _choose(s, plans, ppl, bench))
+    served = None
+    if s.engine == "vllm":
+        served = st.run("export", [choice["inputs_sha256"], s.tp], lambda: _export(s, root, choice))
     zs_data, zs_why = _zeroshot_data(s)
     zs = st.run("zeroshot", [choice["inputs_sha256"], s.zs_tasks, s.zs_limit, zs_data or zs_why],
                 lambda: _zeroshot(s, root, choice, zs_why))
     from syncdrop.auto.report import write_report
 
-    return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link)
+    return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link, served)
 
 
 def _windows(source, dataset, seq_len: int, n: int, data_dir: str | None, required: int | None = None):
@@ -265,9 +282,10 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     from syncdrop.bench import cost_model as cm
 
     paths = [c["path"] for c in sorted(plans["candidates"].values(), key=lambda c: c["fraction"])]
-    common = ["--model", s.model, "--tp", str(s.tp), "--launch", "--plans", ",".join(paths), "--prompt-len",
+    where = ["--engine", "vllm"] if s.engine == "vllm" else ["--launch", "--device", s.device]
+    common = ["--model", s.model, "--tp", str(s.tp), *where, "--plans", ",".join(paths), "--prompt-len",
               str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "--max-reps",
-              str(s.max_reps), "--device", s.device, "-q"]
+              str(s.max_reps), "-q"]
     if s.data_dir:
         common += ["--data-dir", s.data_dir]
     noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
@@ -308,6 +326,21 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     return {"files": [str(f) for f in files], "calibration": calibration, "rows": out}
 
 
+def _export(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, Any]:
+    """The chosen candidate as a transformers directory for vLLM (``ROOT/export``): its distilled directory
+    when distilled blocks won, else the model under the chosen plan."""
+    from syncdrop.serve.engine import serve_command_line
+    from syncdrop.serve.export import export_model
+
+    c = choice["chosen"]
+    model, plan = (choice["model_dir"], None) if c["variant"] == "distilled" else (s.model, choice["plan"])
+    res = export_model(model, s.tp, root / "export", plan, force=True, progress=False)
+    return {"dir": str(res.out), "architecture": res.architecture, "plan": res.plan.summary(), "tp": res.tp,
+            "distilled_blocks": res.distilled_blocks, "permuted_blocks": res.permuted_blocks,
+            "serve": serve_command_line(res.out, res.tp)}
+
+
+ENGINES = ("syncdrop", "vllm")
 MODEL_AGREEMENT = 0.15  # the cost model must predict a chosen plan's TTFT within this relative error
 
 

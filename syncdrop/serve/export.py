@@ -59,9 +59,12 @@ class ExportResult:
     bytes_written: int
 
 
-def _block_orders(cfg, tp: int, layouts: dict[int, ShardLayout]) -> dict[int, Orders]:
-    """``{block: (q_order, kv_order, ffn_order)}`` for blocks whose order is not the identity; raises
-    (field ``tp``) when a block cannot be split contiguously over ``tp`` ranks."""
+def check_servable(cfg, tp: int) -> None:
+    """Raise (field ``tp``) unless vLLM can shard this model over ``tp`` ranks: a contiguous even split of
+    heads, KV heads and MLP channels, and a padded vocabulary that ``tp`` divides."""
+    from syncdrop.parallel.sharding import check_tp
+
+    check_tp(cfg, tp)
     default = ShardLayout.build(cfg, tp)
     try:
         contiguous_orders(cfg, default)
@@ -72,6 +75,12 @@ def _block_orders(cfg, tp: int, layouts: dict[int, ShardLayout]) -> dict[int, Or
         raise SyncdropError(f"{tp}: vLLM cannot serve it: it pads the vocabulary ({cfg.vocab_size}) to a multiple of "
                             f"{VLLM_VOCAB_PAD} ({padded}) and splits that over the ranks, which {tp} does not divide",
                             field="tp")
+
+
+def _block_orders(cfg, tp: int, layouts: dict[int, ShardLayout]) -> dict[int, Orders]:
+    """``{block: (q_order, kv_order, ffn_order)}`` for blocks whose order is not the identity; raises
+    (field ``tp``) when a block cannot be split contiguously over ``tp`` ranks."""
+    check_servable(cfg, tp)
     out = {}
     for i, layout in sorted(layouts.items()):
         try:

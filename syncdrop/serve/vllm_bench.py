@@ -50,11 +50,11 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
     """Measure ``plan_specs`` of ``model_spec`` in vLLM at ``tp`` ranks (see the module docstring); returns the
     ``allreduce``, ``sync_points`` and ``plans`` sections of a ``syncdrop bench`` result, plus ``engine``."""
     from syncdrop.models.loading import resolve_model
-    from syncdrop.serve.engine import run_job
+    from syncdrop.serve.engine import run_job, vllm_python
     from syncdrop.serve.export import export_model
 
     link = link or Link()
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()  # the engine runs in a directory of its own
     source = resolve_model(model_spec)
     cfg = source.config
     L, hidden = cfg.num_layers, cfg.hidden_size
@@ -67,6 +67,7 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
             raise SyncdropError(f"{spec}: {blocker}", field="plans")
     if stock and any(p.dropped for _, p in plans):
         raise SyncdropError("stock vLLM runs plan none only", field="plans")
+    vllm_python()  # fail before exporting when there is no vLLM environment
     exported = export_model(model_spec, tp, workdir / ("export_none" if stock else "export_all"),
                             "none" if stock else SyncPlan.uniform(L, "drop"), force=True, progress=False)
     units = {spec: plan.comm_units(hidden) for spec, plan in plans}
