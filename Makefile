@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
-	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress gpu-check gpu-check-dry clean
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -100,19 +100,30 @@ zero-shot-spd: $(STAMP)
 lm-eval-parity: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
 
-# latency vs SPD fraction (0, 0.25, 0.5, 0.7, 1) on 2 and 3 real ranks, without emulation and on an emulated
-# link where the sync points measured inside the forward are 55% of prefill (results/operating_point/).
-# (results/latency/, which the cost model is calibrated on, was written by this script's earlier version:
-# its files record the commit and command in `provenance`.)
+# latency vs SPD fraction (0, 0.25, 0.5, 0.7, 1) on real ranks (results/operating_point/): TP=2 without emulation and
+# on emulated links where the sync points measured inside the forward are 30% and 55% of prefill; TP=3 (3 ranks on 2
+# cores: rank skew alone is ~75% of prefill, so no share can be targeted) without emulation and on 30 and 100 MB/s.
 latency: $(STAMP)
-	$(BIN)/python benchmarks/latency_sweep.py --tp 2 --shares 0.55 --out results/operating_point/tp2
-	$(BIN)/python benchmarks/latency_sweep.py --tp 3 --shares 0.55 --out results/operating_point/tp3
+	$(BIN)/python benchmarks/latency_sweep.py --tp 2 --shares 0.3,0.55 --decode-tokens 4 --max-reps 15 \
+		--out results/operating_point/tp2
+	$(BIN)/python benchmarks/latency_sweep.py --tp 3 --links 30MB/s,100MB/s --decode-tokens 4 --max-reps 15 \
+		--out results/operating_point/tp3
 
-# the cost model, calibrated on the committed latency files (no forward runs; seconds)
+# SPD plans in vLLM (through the plugin) vs stock vLLM vs syncdrop's runtime, TP=3, one emulated link
+vllm-latency: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_latency.py --tp 3 --decode-tokens 4 --link-bandwidth 100MB/s --link-latency 50us \
+		--out results/vllm_latency
+
+# the cost model, calibrated per TP degree on the committed un-emulated runs and checked on two emulated links each
+# (no forward runs; seconds), and the LLaMA2-70B / 8 x A100 prediction beside the paper
 cost-model: $(STAMP)
-	$(BIN)/syncdrop predict --calibrate results/latency/tp2_none.json \
-		--check results/latency/tp2_share30.json results/latency/tp2_share55.json \
-		--cluster llama2-70b --json results/cost_model.json
+	$(BIN)/syncdrop predict --calibrate results/operating_point/tp2/tp2_none.json \
+		--check results/operating_point/tp2/tp2_share30.json results/operating_point/tp2/tp2_share55.json \
+		--tolerance 0.1 --json results/cost_model_tp2.json
+	$(BIN)/syncdrop predict --calibrate results/operating_point/tp3/tp3_none.json \
+		--check results/operating_point/tp3/tp3_30MBps.json results/operating_point/tp3/tp3_100MBps.json \
+		--tolerance 0.1 --json results/cost_model_tp3.json
+	$(BIN)/syncdrop predict --cluster llama2-70b --json results/cost_model.json
 	$(BIN)/syncdrop predict --cluster llama2-70b --mfu 0.35 --layer-overhead 100us --hbm 1.2TB/s \
 		--json results/cost_model_overheads.json
 

@@ -31,6 +31,9 @@ PAPER_TTFT_CUT_AT_70 = 0.197  # papers.md: LLaMA2-70B, 8 GPUs, 70% SPD
 
 
 def run_bench(args: argparse.Namespace, out: Path, bandwidth: float | None, latency_us: float | None) -> dict:
+    if getattr(args, "reuse", False) and out.is_file():
+        print("reusing", out, flush=True)
+        return json.loads(out.read_text())
     cmd = [sys.executable, "-m", "syncdrop", "bench", "--launch", "--model", args.model, "--tp", str(args.tp),
            "--plans", ",".join(f"frac:{f:g}" for f in args.fractions), "--prompt-len", str(args.prompt_len),
            "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--max-reps", str(args.max_reps),
@@ -134,6 +137,10 @@ def main() -> int:
     ap.add_argument("--fractions", default="0,0.25,0.5,0.7,1", help="SPD fractions (plans frac:F)")
     ap.add_argument("--shares", default="0.55", help="target in-forward communication shares of plan none's TTFT")
     ap.add_argument("--link-latency", type=float, default=50.0, help="emulated per-step latency, microseconds")
+    ap.add_argument("--links", default=None,
+                    help="explicit emulated links instead of --shares, e.g. 30MB/s,100MB/s (each at --link-latency): "
+                         "where the share cannot be targeted (TP=3 on 2 cores: rank skew alone exceeds it)")
+    ap.add_argument("--reuse", action="store_true", help="read a run's JSON back when it exists instead of rerunning")
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="do not correct the link once from the emulated run's own measured share")
     ap.add_argument("--out", default="results/operating_point/tp2")
@@ -146,7 +153,15 @@ def main() -> int:
     runs = {"no emulation": run_bench(args, out / f"{stems['no emulation']}.json", None, None)}
     links: dict[str, dict] = {"no emulation": {"target_share": None}}
     nbytes = runs["no emulation"]["allreduce"]["prefill"]["bytes"]
-    for share in (float(s) for s in args.shares.split(",")):
+    from syncdrop.bench.ring import parse_bandwidth
+
+    for text in (args.links.split(",") if args.links else []):
+        bw = parse_bandwidth(text)
+        name = f"{text.strip()} link"
+        stems[name] = f"tp{args.tp}_{text.strip().replace('/', 'p')}"
+        runs[name] = run_bench(args, out / f"{stems[name]}.json", bw, args.link_latency)
+        links[name] = {"target_share": None, "bandwidth_Bps": bw, "latency_us": args.link_latency}
+    for share in ((float(s) for s in args.shares.split(",")) if not args.links else ()):
         name = f"comm {share:.0%}"
         stems[name] = f"tp{args.tp}_share{round(share * 100)}"
         extra = extra_per_point_for_share(runs["no emulation"], share)

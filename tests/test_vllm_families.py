@@ -33,3 +33,23 @@ def test_opt_mixed_plan(tiny_vllm_dir, tmp_path) -> None:
 @pytest.mark.parametrize("family,tp,plan", [("llama", 2, "all"), ("qwen2", 3, "blocks:0"), ("mistral", 3, "blocks:1")])
 def test_llama_family(tiny_vllm_dir, tmp_path, family, tp, plan) -> None:
     _case(tiny_vllm_dir, tmp_path, family, tp, plan)
+
+
+def test_a_failed_engine_start_is_one_line_naming_the_log(tiny_vllm_dir, tmp_path) -> None:
+    """A config that vLLM's model build refuses (here a partial-sync plan written into an export by hand):
+    the plugin's reason, from the worker's log, in one SyncdropError that names the log file."""
+    import json
+
+    from syncdrop.errors import SyncdropError
+    from syncdrop.plan import SyncPlan
+
+    exported = export_model(str(tiny_vllm_dir("llama")), 2, tmp_path / "export", "all", progress=False)
+    cfg_path = exported.out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["syncdrop_plan"] = SyncPlan.partial(2, 0.5).to_dict()
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(SyncdropError) as e:
+        run_job({"model": str(exported.out), "tp": 2, "prompts": [[1, 2, 3]], "max_tokens": 1}, tmp_path / "v.log")
+    msg = str(e.value)
+    assert "syncdrop plugin: partial-sync (CAAT-Net) plans are not served" in msg
+    assert f"log: {tmp_path / 'v.log'}" in msg and "\n" not in msg

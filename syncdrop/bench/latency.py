@@ -218,6 +218,11 @@ def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, li
             row[f"realised_{key}saving_ms"] = real * 1e3
             row[f"{key}realised_over_ideal"] = real / ideal_med if ideal_med > 0 else None
             row[f"{key}realised_over_ideal_ci"] = bootstrap_ci(ratio, n) if ideal_med > 0 else None
+            iso = row[f"ideal_{key}saving_isolated_ms"] / 1e3
+            row[f"{key}realised_over_isolated_ideal"] = real / iso if iso > 0 else None
+            row[f"{key}realised_over_isolated_ideal_ci"] = (
+                bootstrap_ci(lambda idx, xs=xs, bs=bs, iso=iso: (median_of(bs, idx) - median_of(xs, idx)) / iso, n)
+                if iso > 0 else None)
         rows.append(row)
     sync = {"points": [[p.block, p.where, p.payload] for p in points], "baseline_plan": base_spec,
             "prefill_ms": [statistics.median(col) * 1e3 for col in zip(*sync_prefill, strict=True)],

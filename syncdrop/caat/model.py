@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from syncdrop.models.config import ModelConfig, model_names
+from syncdrop.models.hf_writer import hf_config, hf_tensor_name
 from syncdrop.models.loading import expected_shape
 from syncdrop.parallel.executor import TPModel
 from syncdrop.parallel.sharding import ShardLayout
@@ -64,22 +65,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-_HF_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
-             "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
-             "up": "mlp.up_proj", "down": "mlp.down_proj"}
-
-
-def hf_name(name: str) -> str:
-    if name == "embed":
-        return "model.embed_tokens.weight"
-    if name == "lm_head":
-        return "lm_head.weight"
-    if name == "final_norm.weight":
-        return "model.norm.weight"
-    _, i, proj, kind = name.split(".")
-    return f"model.layers.{i}.{_HF_LAYER[proj]}.{kind}"
-
-
 def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path, tokenizer=None,
               extra: dict | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) for ``LlamaForCausalLM``, from
@@ -90,16 +75,8 @@ def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_positions, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **(extra or {}),
-    }
-    tensors = {hf_name(k): v.detach().float().cpu().contiguous() for k, v in params.items()}
+    hf = {**hf_config(cfg), **(extra or {})}
+    tensors = {hf_tensor_name(k, cfg): v.detach().float().cpu().contiguous() for k, v in params.items()}
     atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -17,6 +17,8 @@ from pathlib import Path
 from syncdrop.cli_args import add_device_args
 from syncdrop.errors import SyncdropError
 
+# --method of `syncdrop distill`: the block stage, then optionally end-to-end KL distillation
+METHODS = ("b2b", "sequential", "b2b+e2e", "sequential+e2e")
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``profile`` on ``subparsers`` (from ``add_subparsers``)."""
@@ -175,6 +177,15 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--last-epoch", action="store_true",
                    help="keep the last epoch's weights (default: the epoch with the lowest held-out loss, "
                         "the original weights included)")
+    p.add_argument("--method", default="b2b", choices=METHODS,
+                   help="b2b (default): each block on the original model's residual (the paper's); sequential: each "
+                        "block on the residual of the model converted so far; +e2e: then every dropped block end to "
+                        "end, KL to the original model's next-token distribution (block stage in OUT/blockwise)")
+    p.add_argument("--e2e-epochs", type=int, default=1, help="+e2e: passes over the training windows (default 1)")
+    p.add_argument("--e2e-lr", type=float, default=1e-4, help="+e2e: AdamW learning rate (default 1e-4)")
+    p.add_argument("--e2e-adapter", default="full", choices=("full", "lora"),
+                   help="+e2e: train all weights of the dropped blocks (default) or LoRA factors, merged after")
+    p.add_argument("--lora-rank", type=int, default=8, help="+e2e with lora: rank r (default 8; alpha = 2r)")
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -190,6 +201,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from syncdrop.parallel.sharding import check_tp
     from syncdrop.plan import parse_plan
     from syncdrop.spd.distill import DistillSettings, default_lr, distill
+    from syncdrop.spd.e2e import E2ESettings
     from syncdrop.spd.planning import tiers as plan_tiers
 
     if args.tp < 2:
@@ -209,16 +221,22 @@ def cmd_distill(args: argparse.Namespace) -> int:
         raise SyncdropError("--plan: distillation trains the SPD block (attn: drop); the plan uses an ablation variant")
     given = plan_tiers(plan)
     tiers = {i: (args.tier if args.tier != "auto" else given.get(i, "b2b")) for i in plan.dropped}
+    block_method, e2e = args.method.removesuffix("+e2e"), args.method.endswith("+e2e")
     settings = DistillSettings(args.lr if args.lr is not None else default_lr(source.config), args.epochs,
                                args.batch_size, args.weight_decay, args.seed, args.hg_unit, args.hg_mlp,
-                               args.hg_samples, keep_best=not args.last_epoch)
+                               args.hg_samples, keep_best=not args.last_epoch, method=block_method)
     settings.check()
+    e2e_settings = E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter, args.lora_rank, 2.0 * args.lora_rank,
+                               args.weight_decay, args.seed)
+    if e2e:
+        e2e_settings.check()
     windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
                            f"--calib {args.calib} (for --samples {args.samples} + --heldout {args.heldout})")
     device = runtime_from_args(args, executor="simulated").device
-    m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], args.out, settings,
-                {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}, progress=not args.quiet,
-                device=device)
+    calib = {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}
+    block_out = os.path.join(args.out, "blockwise") if e2e else args.out
+    m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], block_out, settings,
+                calib, progress=not args.quiet, device=device)
     print(f"{source.name} tp={args.tp}: {plan.summary()}; trained {len(m['blocks'])} blocks "
           f"({sum(t != 'zs' for t in tiers.values())} b2b/hg+b2b, {sum(t == 'zs' for t in tiers.values())} zero-shot)")
     if m["blocks"]:
@@ -226,5 +244,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
         for k, e in m["blocks"].items():
             st = e["stats"]
             print(f"{int(k):6d}  {e['tier']:8s}  {st['heldout_loss_zs']:12.5g} -> {st['heldout_loss']:.5g}")
+    if e2e:
+        from syncdrop.spd.e2e import e2e_distill
+
+        m2 = e2e_distill(block_out, args.tp, plan, windows[: args.samples], windows[args.samples :], args.out,
+                         e2e_settings, calib, progress=not args.quiet, device=device)
+        st = m2["distill"]["e2e"]
+        print(f"end to end ({args.e2e_adapter}): held-out KL to the original model {st['heldout_kl_start']:.5g} -> "
+              f"{st['heldout_kl']:.5g} (epoch {st['selected_epoch']} kept, {st['seconds']:.0f} s)")
     print(f"wrote {args.out} (use it as --model, e.g. syncdrop ppl --model {args.out} --tp {args.tp})")
     return 0

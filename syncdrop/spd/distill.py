@@ -13,7 +13,16 @@ For every dropped block ``i`` of tier ``b2b`` or ``hg+b2b``:
 Because inputs come from the original model, blocks are independent: block ``i``'s result does not
 depend on which other blocks are dropped, so a bank distilled for plan ``all`` holds the distilled
 weights for every plan with the same settings (the sweep uses this), and blocks can be trained
-one at a time, each saved as soon as it is done. The trainable tensors are the *dense* weights;
+one at a time, each saved as soon as it is done.
+
+**Sequential B2B** (``method="sequential"``): block ``i``'s student is fed the residual of the model
+converted so far -- every earlier block as the plan runs it (SPD form where dropped, with its distilled
+weights and layout where distilled, the original block where kept) -- and trained towards the original
+model's residual after block ``i``. Errors of earlier blocks are then seen, and corrected where block
+``i`` can, instead of compounding unseen. Blocks are no longer independent: the plan and tiers enter
+every block's settings hash, and a resumed run recomputes the stream from the block files it reuses.
+
+The trainable tensors are the *dense* weights;
 each step re-shards them differentiably (:func:`block_weights`), so a KV head replicated on
 two ranks stays one tensor and zero padding stays zero.
 
@@ -59,6 +68,7 @@ from syncdrop.spd.checkpoint import (
 log = logging.getLogger(__name__)
 
 TRAINED_TIERS = ("b2b", "hg+b2b")
+BLOCK_METHODS = ("b2b", "sequential")
 PAPER_LR = {"opt": 1e-6}  # docs/methods.md, B2B: 5e-5 for LLaMA-2, 1e-6 for OPT
 DEFAULT_LR = 5e-5
 
@@ -80,6 +90,10 @@ class DistillSettings:
     # keep the weights of the epoch with the lowest held-out loss (epoch 0 = the original weights,
     # i.e. the zero-shot block) instead of the last epoch's
     keep_best: bool = True
+    # "b2b": every block's student sees the original model's residual (blocks independent, the paper's);
+    # "sequential": it sees the residual of the model converted so far (blocks before it in their plan
+    # form, distilled ones with their new weights), and learns to map it back onto the original trajectory
+    method: str = "b2b"
 
     def check(self) -> None:
         from syncdrop.spd import HG_MLP as MLP_MATCHING
@@ -96,6 +110,8 @@ class DistillSettings:
             raise SyncdropError(f"--hg-unit must be one of {', '.join(UNITS)}, got {self.hg_unit!r}")
         if self.hg_mlp not in MLP_MATCHING:
             raise SyncdropError(f"--hg-mlp must be one of {', '.join(MLP_MATCHING)}, got {self.hg_mlp!r}")
+        if self.method not in BLOCK_METHODS:
+            raise SyncdropError(f"--method must be one of {', '.join(BLOCK_METHODS)}, got {self.method!r}")
 
 
 Batch = tuple[torch.Tensor, ForwardContext]  # residual (1, B*S, h) and its context
@@ -172,6 +188,27 @@ def train_block(
             "selected_epoch": best_epoch if s.keep_best else s.epochs, "seconds": time.perf_counter() - t0}
 
 
+@torch.no_grad()
+def _converted_block(source: Any, teacher: TPModel, out: Path, entry: dict[str, Any] | None, plan: SyncPlan,
+                     i: int, xs: list[torch.Tensor], batches: list[Batch]) -> list[torch.Tensor]:
+    """Block ``i`` of the converted model applied to the residuals ``xs``: its distilled weights and layout
+    when ``entry`` names a block file, else the original weights; SPD form when ``plan`` drops it."""
+    from syncdrop.spd.checkpoint import load_block
+
+    cfg, tp = teacher.cfg, teacher.layout.tp
+    mode = plan.blocks[i].attn
+    if entry is None:
+        w, geo = teacher.blocks[i], teacher.geo
+    else:
+        layout = ShardLayout.build(cfg, tp, entry["head_order"], entry["ffn_order"])
+        geo = local_geometry(cfg, layout, range(tp), teacher.device)
+        params = {k: v.to(teacher.device) for k, v in load_block(out / entry["file"]).items()}
+        w = block_weights(TensorSource(params), cfg, geo, layout, i)
+    comm = SimulatedComm(tp)
+    return [block_forward(x, w, geo, cfg, comm, c, mode, mlp_mode=plan.blocks[i].mlp) for x, (_, c) in
+            zip(xs, batches, strict=True)]
+
+
 def _settings_sha(d: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
@@ -218,8 +255,15 @@ def distill(
     hashed = asdict(settings)
     if not settings.keep_best:  # the behaviour before the option existed: earlier block files stay valid
         hashed.pop("keep_best")
+    if settings.method == "b2b":  # likewise: block-wise B2B files from before the option stay valid
+        hashed.pop("method")
+    sequential = settings.method == "sequential"
+    # the student stream (sequential): the residual entering each block in the model converted so far
+    s_train, s_held = [x for x, _ in train], [x for x, _ in held]
     common = {"base_model": base_spec(source.spec), "tp": tp, "calib": calib, **hashed,
               "train_windows": list(train_windows.shape), "held_windows": list(held_windows.shape)}
+    if settings.method == "sequential":  # a block's inputs depend on every block before it: the plan and tiers
+        common |= {"plan_blocks": plan.to_dict()["blocks"], "tiers": {str(k): v for k, v in sorted(tiers.items())}}
     entries: dict[str, dict[str, Any]] = {}
     steps = len(work) * settings.epochs * len(train)
     t0 = time.perf_counter()
@@ -247,7 +291,9 @@ def distill(
                                         settings.hg_mlp, settings.seed)
                         head_order, ffn_order, hg = g.head_order, g.ffn_order, g.report
                     layout = ShardLayout.build(cfg, tp, head_order, ffn_order)
-                    stats = train_block(params, i, cfg, layout, train, train_y, held, held_y, settings, bar)
+                    inputs = ([(x, c) for x, (_, c) in zip(s_train, train, strict=True)],
+                              [(x, c) for x, (_, c) in zip(s_held, held, strict=True)]) if sequential else (train, held)
+                    stats = train_block(params, i, cfg, layout, inputs[0], train_y, inputs[1], held_y, settings, bar)
                     stats["head_grouping"] = hg
                     meta = {"settings_sha": sha, "layer": i, "tier": tier, "head_order": head_order,
                             "ffn_order": ffn_order, "stats": stats}
@@ -256,6 +302,9 @@ def distill(
                              stats["heldout_loss"])
                 entries[str(i)] = {"file": fname, "tier": tier, "head_order": meta["head_order"],
                                    "ffn_order": meta["ffn_order"], "stats": meta["stats"]}
+            if sequential:  # block i as the converted model runs it, on the converted model's residual
+                s_train, s_held = (_converted_block(source, teacher, out, entries.get(str(i)), plan, i, xs, cs)
+                                   for xs, cs in ((s_train, train), (s_held, held)))
             train = [(y, c) for y, (_, c) in zip(train_y, train, strict=True)]
             held = [(y, c) for y, (_, c) in zip(held_y, held, strict=True)]
     from syncdrop.io_utils import atomic_write_json, provenance

@@ -1,0 +1,139 @@
+"""Recovery beyond block-wise B2B (issue 16): sequential B2B and end-to-end KL distillation, on a tiny model,
+against the dense model they distil (the teacher) and the simulated executor that runs their output."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from syncdrop.cli import main
+from syncdrop.models.loading import resolve_model
+from syncdrop.parallel.sharding import distilled_layouts
+from syncdrop.plan import SyncPlan
+from syncdrop.runtime import choose_runtime
+from syncdrop.spd.distill import DistillSettings, distill
+from syncdrop.spd.e2e import ADAPTER_FILE, STATE_FILE, E2ESettings, Student, e2e_distill, kl_to_teacher
+
+TP = 2
+
+
+def _windows(vocab: int, n: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _held_kl(model_spec: str, dense_spec: str, windows: torch.Tensor) -> float:
+    """Mean KL(dense || model) over ``windows``: both run by the simulated executor, the model under its own plan."""
+    m = choose_runtime("simulated", "cpu").build(model_spec, TP, None, progress=False).model
+    d = choose_runtime("simulated", "cpu").build(dense_spec, TP, "none", progress=False).model
+    with torch.inference_mode():
+        return sum(kl_to_teacher(m.logits(m.hidden_states(w[None])), d.logits(d.hidden_states(w[None]))).item()
+                   for w in windows) / len(windows)
+
+
+def test_sequential_b2b_is_at_least_as_good_as_blockwise(tiny_llama_dir, tmp_path) -> None:
+    """Both blocks dropped; the second block's student sees the first's error in sequential B2B. On held-out
+    windows the whole SPD model is closer to the dense one (KL) after sequential than after block-wise B2B."""
+    src = resolve_model(str(tiny_llama_dir))
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    w = _windows(src.config.vocab_size, 12, 32, seed=0)
+    held = _windows(src.config.vocab_size, 6, 32, seed=99)
+    kl = {}
+    for method in ("b2b", "sequential"):
+        out = tmp_path / method
+        distill(src, TP, plan, {0: "b2b", 1: "b2b"}, w[:10], w[10:], out,
+                DistillSettings(lr=3e-3, epochs=6, keep_best=False, method=method), {"dataset": "ids"}, progress=False)
+        kl[method] = _held_kl(str(out), str(tiny_llama_dir), held)
+    assert kl["sequential"] <= kl["b2b"], kl
+
+
+def test_sequential_resume_reuses_blocks_and_recomputes_the_stream(tiny_llama_dir, tmp_path) -> None:
+    src = resolve_model(str(tiny_llama_dir))
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    w = _windows(src.config.vocab_size, 6, 16, seed=1)
+    s = DistillSettings(lr=3e-3, epochs=2, method="sequential")
+    first = distill(src, TP, plan, {0: "b2b", 1: "b2b"}, w[:4], w[4:], tmp_path / "a", s, {"d": 1}, progress=False)
+    (tmp_path / "a" / "blocks" / "block_001.safetensors").unlink()  # as if interrupted during block 1
+    again = distill(src, TP, plan, {0: "b2b", 1: "b2b"}, w[:4], w[4:], tmp_path / "a", s, {"d": 1}, progress=False)
+    assert again["blocks"]["1"]["stats"]["heldout_loss"] == first["blocks"]["1"]["stats"]["heldout_loss"]
+
+
+def _e2e(start: str, out, stop_after=None, adapter="full", epochs=2):
+    src = resolve_model(start)
+    w = _windows(src.config.vocab_size, 6, 24, seed=2)
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    s = E2ESettings(lr=2e-3, epochs=epochs, adapter=adapter, rank=4, alpha=8.0, ckpt_every=3)
+    return e2e_distill(start, TP, plan, w[:4], w[4:], out, s, {"dataset": "ids"}, progress=False,
+                       stop_after=stop_after)
+
+
+def test_e2e_lowers_held_out_kl_from_b2b(tiny_llama_dir, tmp_path) -> None:
+    src = resolve_model(str(tiny_llama_dir))
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    w = _windows(src.config.vocab_size, 6, 24, seed=2)
+    distill(src, TP, plan, {0: "hg+b2b", 1: "b2b"}, w[:4], w[4:], tmp_path / "b2b",
+            DistillSettings(lr=1e-3, epochs=2), {"dataset": "ids"}, progress=False)
+    m = _e2e(str(tmp_path / "b2b"), tmp_path / "e2e")
+    st = m["distill"]["e2e"]
+    assert st["heldout_kl"] < st["heldout_kl_start"]
+    held = w[4:]
+    assert _held_kl(str(tmp_path / "e2e"), str(tiny_llama_dir), held) < _held_kl(str(tmp_path / "b2b"),
+                                                                                   str(tiny_llama_dir), held)
+    # the head-grouping layout of the B2B start is carried over
+    out = resolve_model(str(tmp_path / "e2e")).spd
+    assert out.blocks[0]["head_order"] == resolve_model(str(tmp_path / "b2b")).spd.blocks[0]["head_order"]
+    assert {e["tier"] for e in out.blocks.values()} == {"e2e"} and not (tmp_path / "e2e" / STATE_FILE).exists()
+
+
+def test_merged_lora_adapters_give_the_unmerged_logits(tiny_qwen2_dir, tmp_path) -> None:
+    m = _e2e(str(tiny_qwen2_dir), tmp_path / "lora", adapter="lora")
+    assert m["distill"]["e2e"]["adapter"] == "lora"
+    factors = load_file(str(tmp_path / "lora" / ADAPTER_FILE))
+    assert any(v.abs().max() > 0 for k, v in factors.items() if k.endswith("lora_B"))  # the update is not nothing
+    src = resolve_model(str(tiny_qwen2_dir))
+    from syncdrop.models.config import layer_names, model_names
+
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    base = {n: src.reader.get(n) for n in model_names(src.config)}
+    trainable = [n for i in plan.dropped for n in layer_names(i, src.config)]
+    student = Student(base, trainable, E2ESettings(adapter="lora", rank=4, alpha=8.0), src.config, TP, plan, {},
+                      torch.device("cpu"))
+    with torch.no_grad():
+        for k, p in student.params.items():
+            p.copy_(factors[k])
+    ids = _windows(src.config.vocab_size, 1, 20, seed=5)
+    merged = choose_runtime("simulated", "cpu").build(str(tmp_path / "lora"), TP, None, progress=False).model
+    with torch.no_grad():
+        unmerged = student.logits(ids)
+    with torch.inference_mode():
+        got = merged.logits(merged.hidden_states(ids))
+    torch.testing.assert_close(got, unmerged, atol=1e-5, rtol=0)
+    assert distilled_layouts(resolve_model(str(tmp_path / "lora")).spd, src.config) == {}
+
+
+def test_interrupted_e2e_resumes_to_the_same_result(tiny_llama_dir, tmp_path) -> None:
+    whole = _e2e(str(tiny_llama_dir), tmp_path / "whole")
+    assert _e2e(str(tiny_llama_dir), tmp_path / "cut", stop_after=5) == {"stopped_at": 5}
+    assert (tmp_path / "cut" / STATE_FILE).is_file() and not (tmp_path / "cut" / "syncdrop.json").exists()
+    resumed = _e2e(str(tiny_llama_dir), tmp_path / "cut")
+    assert resumed["distill"]["e2e"]["train_curve"] == whole["distill"]["e2e"]["train_curve"]
+    for i in ("0", "1"):
+        a = load_file(str(tmp_path / "whole" / whole["blocks"][i]["file"]))
+        b = load_file(str(tmp_path / "cut" / resumed["blocks"][i]["file"]))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_distill_cli_methods_and_bad_input(tiny_llama_dir, text_file, tmp_path, capsys) -> None:
+    base = ["distill", "--model", str(tiny_llama_dir), "--tp", "2", "--plan", "all", "--calib", str(text_file),
+            "--samples", "2", "--heldout", "1", "--seq-len", "16", "--epochs", "1", "-q"]
+    assert main([*base, "--method", "sequential+e2e", "--e2e-adapter", "lora", "--out", str(tmp_path / "x")]) == 0
+    assert "end to end (lora): held-out KL" in capsys.readouterr().out
+    assert resolve_model(str(tmp_path / "x")).spd.blocks[0]["tier"] == "e2e"
+    assert resolve_model(str(tmp_path / "x" / "blockwise")).spd.blocks[0]["tier"] == "b2b"
+    for args, message in ((["--method", "magic"], "--method: invalid choice"),
+                          (["--method", "b2b+e2e", "--e2e-epochs", "0"], "--e2e-epochs must be at least 1"),
+                          (["--method", "b2b+e2e", "--e2e-lr", "-1"], "--e2e-lr must be a positive number")):
+        try:
+            code = main([*base, *args, "--out", str(tmp_path / "bad")])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        assert code == 2 and message in capsys.readouterr().err, args
