@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from syncdrop.caat.model import export_hf, hf_name, init_params, llama_config, lm_loss, tp_forward
+from syncdrop.caat.model import export_hf, init_params, llama_config, lm_loss, tp_forward
 from syncdrop.cli import main
+from syncdrop.models.hf_writer import hf_tensor_name
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.launch import launch
 from syncdrop.parallel.sharding import ShardLayout
@@ -56,7 +57,7 @@ def test_tp1_gradients_equal_transformers(tmp_path) -> None:
     loss, grads = simulated_grads(1, SyncPlan.partial(2, 0.5))
     torch.testing.assert_close(loss, out_loss.detach(), atol=1e-5, rtol=0)
     for k, g in grads.items():
-        torch.testing.assert_close(g, hf_grads[hf_name(k)].grad, atol=1e-6, rtol=1e-4, msg=k)
+        torch.testing.assert_close(g, hf_grads[hf_tensor_name(k, cfg)].grad, atol=1e-6, rtol=1e-4, msg=k)
     loss3, grads3 = simulated_grads(3, SyncPlan.partial(2, 1.0))
     torch.testing.assert_close(loss3, loss, atol=1e-5, rtol=0)
     for k, g in grads3.items():

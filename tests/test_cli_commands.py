@@ -344,8 +344,8 @@ def test_bench_refuses_a_link_slower_than_the_timeout(tiny_llama_dir, text_file,
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--plans", " , "], "--plans ' , ': list at least one plan"),
-    (["--reps", "0"], "--reps must be at least 1"),
+    (["--tp", "1", "--plans", " , "], "--plans ' , ': list at least one plan"),
+    (["--tp", "1", "--reps", "0"], "--reps must be at least 1"),
     (["--launch", "--engine", "vllm"], "--engine vllm starts vLLM's own ranks: drop --launch"),
     (["--engine", "vllm", "--plans", "none,model"], "--engine vllm times plan specs"),
     (["--engine", "vllm", "--stock", "--plans", "none,all"], "--plans stock vLLM runs plan none only"),

@@ -31,6 +31,19 @@ def _figure(draw, path: Path) -> bytes:
     return buf.getvalue()
 
 
+def _comm_share(bench: dict[str, Any]) -> list[str]:
+    """How much of dense prefill the sync points took on the decision link (measured inside the forward)."""
+    try:
+        run = json.loads(Path(bench["files"][-1]).read_text())
+        base = next(p for p in run["plans"] if p["plan"] == run["baseline_plan"])
+        sync = run["sync_points"]["prefill_total_ms"]
+    except (OSError, KeyError, StopIteration, ValueError, IndexError):
+        return []
+    return [f"Communication: on this link the {len(run['sync_points']['points'])} sync points of the dense forward "
+            f"took {sync:.0f} ms of its {base['ttft_ms']:.0f} ms TTFT ({sync / base['ttft_ms']:.0%}), measured "
+            "inside the forward (slowest rank).", ""]
+
+
 def _serving(served: dict[str, Any] | None) -> list[str]:
     """The report's lines on serving the chosen plan in vLLM (``--engine vllm``), else none."""
     if not served:
@@ -117,6 +130,7 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
           f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
           f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
           "", *_serving(served), "## Candidates", "",
+          *_comm_share(bench),
           f"TTFT on the {'emulated' if link.active else 'un-emulated'} link: medians with 95% bootstrap intervals "
           "over interleaved reps. A candidate qualifies when it is within the perplexity budget, its TTFT / dense "
           "interval lies below 1, and the cost model predicts its TTFT within 15%.", "",
