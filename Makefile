@@ -111,9 +111,12 @@ latency: $(STAMP)
 		--out results/operating_point/tp3
 
 # SPD plans in vLLM (through the plugin) vs stock vLLM vs syncdrop's runtime, TP=3, one emulated link
+# and TP=2 (2 ranks on 2 cores: no oversubscription) on a random-weight model vLLM can shard at TP=2
 vllm-latency: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --tp 3 --decode-tokens 4 --link-bandwidth 100MB/s --link-latency 50us \
 		--out results/vllm_latency
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 100MB/s --link-latency 50us --out results/vllm_latency_tp2
 
 # the cost model, calibrated per TP degree on the committed un-emulated runs and checked on two emulated links each
 # (no forward runs; seconds), and the LLaMA2-70B / 8 x A100 prediction beside the paper

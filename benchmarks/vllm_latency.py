@@ -33,6 +33,21 @@ def bench(args: argparse.Namespace, out: Path, extra: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
+def make_synthetic(path: Path) -> None:
+    """SmolLM2's depth, MLP and vocabulary with 8 heads of 64 (transformers' own N(0, 0.02) initialisation)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from syncdrop.tiny_models import tiny_tokenizer
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=1e5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+
+
 def _row(res: dict, plan: str) -> dict:
     return next(r for r in res["plans"] if r["plan"] == plan)
 
@@ -55,7 +70,13 @@ def main() -> int:
     ap.add_argument("--link-latency", default="50us")
     ap.add_argument("--out", default="results/vllm_latency")
     ap.add_argument("--parts", default="vllm,stock,syncdrop", help="parts to (re)run; the others are read back")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="--model is a directory to create (if absent) holding a random-weight Llama with SmolLM2's "
+                         "widths but 8 query / 4 KV heads of 64 (hidden 512), which vLLM can shard at TP=2; latency "
+                         "does not depend on the weights")
     args = ap.parse_args()
+    if args.synthetic and not Path(args.model).exists():
+        make_synthetic(Path(args.model))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plans = ",".join(f"frac:{f}" for f in args.fractions.split(","))

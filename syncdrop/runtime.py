@@ -157,7 +157,13 @@ class Runtime:
             comm: Communicator = DistComm(tp, exact=self.exact_reduce)
         else:
             comm = SimulatedComm(tp)
-        return EmulatedLinkComm(comm, self.link) if self.link.active else comm
+        if not self.link.active:
+            return comm
+        from syncdrop.bench.link import ranks_have_own_cores
+        from syncdrop.parallel import dist
+
+        return EmulatedLinkComm(comm, self.link, spin=ranks_have_own_cores(dist.local_world_size()
+                                                                           if self.distributed else 1))
 
     def local_ranks(self, tp: int) -> list[int]:
         """The ranks this process holds: all of them when simulated, its own when distributed."""

@@ -366,7 +366,7 @@ def waits(monkeypatch) -> list[float]:
     import syncdrop.bench.link as link
 
     asked: list[float] = []
-    monkeypatch.setattr(link, "wait", asked.append)
+    monkeypatch.setattr(link, "wait", lambda seconds, spin=False: asked.append(seconds))
     return asked
 
 

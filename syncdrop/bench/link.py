@@ -14,13 +14,21 @@ joined by a link of per-step latency ``alpha`` (``--link-latency``) and bandwidt
 only place these formulas live: the cost model (:mod:`syncdrop.bench.cost_model`) uses them for
 the real link and for the emulated one, so prediction and emulation cannot drift apart.
 
-The wait sleeps until ~0.2 ms before the deadline, then spins, which is accurate to a few
-microseconds on an idle core (plain ``time.sleep`` overshoots by 50-100 us). Use it to ask "what
-if our ranks talked over a link of this speed?" on one machine.
+**How a rank waits.** When every local rank has a core of its own (:func:`ranks_have_own_cores`), the
+wait spins: the rank holds its core as a rank whose peer is sending holds its device, and its next
+compute starts on a warm core. Otherwise (more ranks than cores, e.g. TP=3 on 2 cores) spinning would
+take the core from the rank that shares it, so the wait sleeps until ~0.2 ms before the deadline, then
+spins; both are accurate to a few microseconds (plain ``time.sleep`` overshoots by 50-100 us). Sleeping
+has a cost of its own that a link does not have: measured at TP=2 on a 113 MB/s link, each sync point
+took 1.8 ms more than the wait and the compute between them 70 ms more per prefill
+(``results/operating_point/``, docs/cost_model.md), which the cost model, calibrated without emulation,
+cannot predict; spinning removed most of it. Use the emulation to ask "what if our ranks talked over a
+link of this speed?" on one machine.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -40,13 +48,18 @@ from syncdrop.parallel.device import synchronize
 SPIN_S = 2e-4
 
 
-def wait(seconds: float) -> None:
-    """Wait precisely: sleep until ``SPIN_S`` before the deadline, then spin."""
+def wait(seconds: float, spin: bool = False) -> None:
+    """Wait precisely: spin throughout (``spin``), or sleep until ``SPIN_S`` before the deadline, then spin."""
     deadline = time.perf_counter() + seconds
-    if seconds > SPIN_S:
+    if seconds > SPIN_S and not spin:
         time.sleep(seconds - SPIN_S)
     while time.perf_counter() < deadline:
         pass
+
+
+def ranks_have_own_cores(local_ranks: int) -> bool:
+    """True when this node's ``local_ranks`` processes can each have a core of their own."""
+    return local_ranks <= (os.cpu_count() or 1)
 
 
 class EmulatedLinkComm(CommWrapper):
@@ -55,16 +68,17 @@ class EmulatedLinkComm(CommWrapper):
     of the gathered result (``N`` slices padded to the largest, as :class:`DistComm` gathers). The
     device is synchronised first, so that the wait starts when the collective has really finished
     (on CUDA the call returns as soon as it is queued). Partial reduces go through :meth:`all_reduce`
-    and pay for the ``k`` channels they send; broadcasts (tokens) are not delayed."""
+    and pay for the ``k`` channels they send; broadcasts (tokens) are not delayed. ``spin``: how the
+    rank waits (see the module docstring)."""
 
-    def __init__(self, inner, link: Link) -> None:
+    def __init__(self, inner, link: Link, spin: bool = False) -> None:
         super().__init__(inner)
-        self.link = link
+        self.link, self.spin = link, spin
         self.waited_s = 0.0
 
     def _delay(self, out: torch.Tensor, seconds: float) -> None:
         synchronize(out.device)
-        wait(seconds)
+        wait(seconds, self.spin)
         self.waited_s += seconds
 
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:

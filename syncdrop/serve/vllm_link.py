@@ -4,8 +4,9 @@ Installed by the plugin (:func:`syncdrop.serve.vllm_plugin.register`) in every v
 the environment asks for it, so that a production server runs vLLM's collectives untouched:
 
 * ``SYNCDROP_LINK_BANDWIDTH_BPS`` / ``SYNCDROP_LINK_LATENCY_S``: after each all-reduce (and logits gather)
-  of the tensor-parallel group, the device is synchronised and the worker waits what a ring over N ranks
-  costs on that link: :func:`syncdrop.bench.ring.ring_all_reduce_s` / ``ring_all_gather_s``, the same
+  of the tensor-parallel group, the device is synchronised and the worker waits (spinning when every rank
+  has a core of its own, as :mod:`syncdrop.bench.link` does) what a ring over N ranks costs on that link:
+  :func:`syncdrop.bench.ring.ring_all_reduce_s` / ``ring_all_gather_s``, the same
   functions syncdrop's own emulation (:mod:`syncdrop.bench.link`) and the cost model use.
 * ``SYNCDROP_VLLM_INSTRUMENT=1`` (implied by a link): each such collective is timed from its call to its
   end, emulated wait included, so a rank's time also holds its wait for the slowest rank. The bench
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from syncdrop.bench.link import wait
+from syncdrop.bench.link import ranks_have_own_cores, wait
 from syncdrop.bench.ring import ring_all_gather_s, ring_all_reduce_s
 
 ENV_BANDWIDTH = "SYNCDROP_LINK_BANDWIDTH_BPS"
@@ -56,7 +57,7 @@ def _wrap(fn, kind: str, link: tuple[float, float | None] | None):
         if link is not None:
             n, nbytes = self.world_size, input_.numel() * input_.element_size()
             wait(ring_all_reduce_s(nbytes, n, *link) if kind == "all_reduce"
-                 else ring_all_gather_s(nbytes * n, n, *link))
+                 else ring_all_gather_s(nbytes * n, n, *link), spin=ranks_have_own_cores(n))
         if _recording is not None:
             _recording.append((kind, time.perf_counter() - t0))
         return out
