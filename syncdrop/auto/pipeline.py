@@ -1,9 +1,9 @@
 """``syncdrop auto``: profile -> plan -> distil -> evaluate -> benchmark -> choose -> report.
 
 Every stage writes its result to ``DIR/<stage>.json`` together with the SHA-256 of its inputs
-(settings and the results it used); a rerun with the same inputs loads it instead of recomputing,
-and an interrupted run resumes at the first stage without a valid file (distillation also resumes
-inside the stage, block by block).
+(settings and the digests of the results it used, :func:`_result_key`); a rerun with the same inputs
+loads it instead of recomputing, and an interrupted run resumes at the first stage without a valid
+file (distillation also resumes inside the stage, block by block).
 
 Data (:mod:`syncdrop.eval.data`, resolved once at the start, and part of the stage inputs so that a
 run on other data recomputes): calibration (profile, distillation) on ``auto:valid``, perplexity on
@@ -90,6 +90,13 @@ class AutoSettings:
         return choose_runtime("simulated", self.device)
 
 
+def _result_key(stage: dict[str, Any]) -> str:
+    """What later stages key on: the digest of a stage's inputs *and* result, so that changed inputs, and also
+    a stage computed again with the same inputs but another outcome (its file deleted to re-measure, say),
+    invalidate every stage computed from it."""
+    return _sha(stage)
+
+
 def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -157,21 +164,21 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                   lambda: _profile(s, root, calib))
     # SPD 0 (dense) is always a candidate: the perplexity budget is relative to it
     fractions = sorted(set(s.fractions) | {0.0} | ({s.spd} if s.spd is not None else set()))
-    plans = st.run("plans", [prof["inputs_sha256"], fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
-    dist = st.run("distill", [plans["inputs_sha256"], s.distill_samples, s.distill_epochs, s.lr, s.seq_len],
+    plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
+    dist = st.run("distill", [_result_key(plans), s.distill_samples, s.distill_epochs, s.lr, s.seq_len],
                   lambda: _distill(s, root, plans, calib))
-    ppl = st.run("ppl", [dist["inputs_sha256"], s.eval_windows, s.seq_len, test.info()],
+    ppl = st.run("ppl", [_result_key(dist), s.eval_windows, s.seq_len, test.info()],
                  lambda: _ppl(s, root, plans, test))
-    bench = st.run("bench", [plans["inputs_sha256"], link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
+    bench = st.run("bench", [_result_key(plans), link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
                              s.max_reps],
                    lambda: _bench(s, root, plans, link))
-    choice = st.run("choice", [ppl["inputs_sha256"], bench["inputs_sha256"], s.max_ppl_increase, s.spd],
+    choice = st.run("choice", [_result_key(ppl), _result_key(bench), s.max_ppl_increase, s.spd],
                     lambda: _choose(s, plans, ppl, bench))
     served = None
     if s.engine == "vllm":
-        served = st.run("export", [choice["inputs_sha256"], s.tp], lambda: _export(s, root, choice))
+        served = st.run("export", [_result_key(choice), s.tp], lambda: _export(s, root, choice))
     zs_data, zs_why = _zeroshot_data(s)
-    zs = st.run("zeroshot", [choice["inputs_sha256"], s.zs_tasks, s.zs_limit, zs_data or zs_why],
+    zs = st.run("zeroshot", [_result_key(choice), s.zs_tasks, s.zs_limit, zs_data or zs_why],
                 lambda: _zeroshot(s, root, choice, zs_why))
     from syncdrop.auto.report import write_report
 
