@@ -22,9 +22,18 @@ def test_unservable_tp_is_refused_up_front(tmp_path, capsys) -> None:
 
 @pytest.mark.slow
 @pytest.mark.needs_vllm
-def test_auto_engine_vllm_exports_the_choice(tiny_vllm_dir, text_file, tmp_path, capsys) -> None:
+def test_auto_engine_vllm_exports_the_choice(tiny_vllm_dir, text_file, tmp_path, capsys, monkeypatch) -> None:
+    import shutil
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # zero-shot skipped (the tiny model's 128 positions)
+    data = tmp_path / "data" / "wikitext2"
+    data.mkdir(parents=True)
+    for split in ("test.txt", "valid.txt"):
+        shutil.copy(text_file, data / split)
     out = tmp_path / "auto"
     code = main(["auto", "--model", str(tiny_vllm_dir("llama")), "--tp", "2", "--engine", "vllm", "--spd", "1",
+                 "--data-dir", str(data.parent),
                  "--fractions", "0,1", "--link-bandwidth", "20MB/s", "--link-latency", "100us", "--reps", "3",
                  "--max-reps", "3", "--prompt-len", "32", "--seq-len", "32", "--calib-samples", "1",
                  "--distill-samples", "2", "--distill-epochs", "1", "--eval-windows", "1", "--zs-limit", "1",
