@@ -21,8 +21,8 @@ take the core from the rank that shares it, so the wait sleeps until ~0.2 ms bef
 spins; both are accurate to a few microseconds (plain ``time.sleep`` overshoots by 50-100 us). Sleeping
 has a cost of its own that a link does not have: measured at TP=2 on a 113 MB/s link, each sync point
 took 1.8 ms more than the wait and the compute between them 70 ms more per prefill
-(``results/operating_point/``, docs/cost_model.md), which the cost model, calibrated without emulation,
-cannot predict; spinning removed most of it. Use the emulation to ask "what if our ranks talked over a
+(``results/operating_point/tp2_sleep_wait/``, docs/cost_model.md), which the cost model, calibrated
+without emulation, cannot predict. Use the emulation to ask "what if our ranks talked over a
 link of this speed?" on one machine.
 """
 

@@ -152,25 +152,18 @@ def convert_dropped(layers: nn.ModuleList, plan: SyncPlan, opt: bool = False) ->
     return done
 
 
-class SyncdropLlamaForCausalLM(LlamaForCausalLM):
+def _syncdrop_class(stock: type) -> type:
+    """``Syncdrop<stock>``: vLLM's ``stock`` model with the plan's dropped layers converted after construction."""
+
     def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
-        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
+        stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kw)
+        convert_dropped(decoder_layers(self), plan_of(vllm_config.model_config.hf_config),
+                        opt=issubclass(stock, OPTForCausalLM))
+
+    return type(f"Syncdrop{stock.__name__}", (stock,), {"__init__": __init__, "__module__": __name__})
 
 
-class SyncdropMistralForCausalLM(MistralForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
-        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
-
-
-class SyncdropQwen2ForCausalLM(Qwen2ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
-        convert_dropped(self.model.layers, plan_of(vllm_config.model_config.hf_config))
-
-
-class SyncdropOPTForCausalLM(OPTForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kw)
-        convert_dropped(self.model.decoder.layers, plan_of(vllm_config.model_config.hf_config), opt=True)
+SyncdropLlamaForCausalLM = _syncdrop_class(LlamaForCausalLM)
+SyncdropMistralForCausalLM = _syncdrop_class(MistralForCausalLM)
+SyncdropQwen2ForCausalLM = _syncdrop_class(Qwen2ForCausalLM)
+SyncdropOPTForCausalLM = _syncdrop_class(OPTForCausalLM)
