@@ -118,14 +118,21 @@ vllm-latency: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 100MB/s --link-latency 50us --out results/vllm_latency_tp2
 
-# the cost model, calibrated per TP degree on the committed un-emulated runs and checked on two emulated links each
-# (no forward runs; seconds), and the LLaMA2-70B / 8 x A100 prediction beside the paper
+# the cost model per TP degree, calibrated and checked inside one run: `syncdrop bench --links` interleaves the
+# un-emulated link and two emulated ones like the plans (every rep runs every plan on every link), so machine drift
+# hits calibration and check alike (results/cost_model_runs/tp{2,3}_<link>.json, ~8 and ~15 min); then the
+# LLaMA2-70B / 8 x A100 prediction beside the paper (seconds)
+CM_PLANS := frac:0,frac:0.25,frac:0.5,frac:0.7,frac:1
 cost-model: $(STAMP)
-	$(BIN)/syncdrop predict --calibrate results/operating_point/tp2/tp2_none.json \
-		--check results/operating_point/tp2/tp2_share30.json results/operating_point/tp2/tp2_share55.json \
+	$(BIN)/syncdrop bench --launch --model smollm2 --tp 2 --plans $(CM_PLANS) --links none,300MB/s+50us,100MB/s+50us \
+		--prompt-len 256 --decode-tokens 4 --reps 7 --max-reps 15 --json results/cost_model_runs/tp2.json -q
+	$(BIN)/syncdrop predict --calibrate results/cost_model_runs/tp2_none.json \
+		--check results/cost_model_runs/tp2_300MBps+50us.json results/cost_model_runs/tp2_100MBps+50us.json \
 		--tolerance 0.1 --json results/cost_model_tp2.json
-	$(BIN)/syncdrop predict --calibrate results/operating_point/tp3/tp3_none.json \
-		--check results/operating_point/tp3/tp3_30MBps.json results/operating_point/tp3/tp3_100MBps.json \
+	$(BIN)/syncdrop bench --launch --model smollm2 --tp 3 --plans $(CM_PLANS) --links none,100MB/s+50us,30MB/s+50us \
+		--prompt-len 256 --decode-tokens 4 --reps 7 --max-reps 15 --json results/cost_model_runs/tp3.json -q
+	$(BIN)/syncdrop predict --calibrate results/cost_model_runs/tp3_none.json \
+		--check results/cost_model_runs/tp3_100MBps+50us.json results/cost_model_runs/tp3_30MBps+50us.json \
 		--tolerance 0.1 --json results/cost_model_tp3.json
 	$(BIN)/syncdrop predict --cluster llama2-70b --json results/cost_model.json
 	$(BIN)/syncdrop predict --cluster llama2-70b --mfu 0.35 --layer-overhead 100us --hbm 1.2TB/s \

@@ -36,16 +36,29 @@ def _own_plan(source, spec: str) -> SyncPlan:
     return own
 
 
-def _check_bench_link(args: argparse.Namespace, cfg) -> None:
-    """The prefill all-reduce (batch x prompt x hidden) must be emulated in less than --dist-timeout."""
+def _check_bench_link(args: argparse.Namespace, cfg, link=None) -> None:
+    """The prefill all-reduce (batch x prompt x hidden) must be emulated in less than --dist-timeout
+    (``link``: default the one of --link-bandwidth/--link-latency)."""
     import torch
 
     from syncdrop.bench.ring import check_within_timeout
     from syncdrop.runtime import parse_dtype
 
     elem = torch.empty((), dtype=parse_dtype(args.dtype)).element_size()
-    check_within_timeout(link_from_args(args), args.batch * args.prompt_len * cfg.hidden_size * elem, args.tp,
-                         args.dist_timeout)
+    check_within_timeout(link or link_from_args(args), args.batch * args.prompt_len * cfg.hidden_size * elem,
+                         args.tp, args.dist_timeout)
+
+
+def _bench_links(args: argparse.Namespace, link):
+    """``--links``: the parsed list, or None; refused beside --link-bandwidth/--link-latency and --engine vllm."""
+    from syncdrop.bench.ring import parse_links
+
+    if args.links is None:
+        return None
+    if link.active:
+        raise SyncdropError("--links lists every link to interleave: drop --link-bandwidth/--link-latency "
+                            "(or add that link to --links)")
+    return parse_links(args.links)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -65,6 +78,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_reps is not None and args.max_reps < args.reps:
         raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
     if args.engine == "vllm":
+        if args.links is not None:
+            raise SyncdropError("--links interleaves links in syncdrop's runtime: with --engine vllm, run one "
+                                "bench per link (--link-bandwidth/--link-latency)")
         return _bench_vllm(args)
     if args.tp > 1 and not dist.launched_by_torchrun():
         raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
@@ -72,7 +88,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SyncdropError("bench runs syncdrop's executors: use --executor auto")
     specs = split_plan_list(args.plans)
     link = link_from_args(args)
-    _check_bench_link(args, resolve_model(args.model).config)  # the header only: fail before loading weights
+    links = _bench_links(args, link)
+    cfg = resolve_model(args.model).config  # the header only: fail before loading weights
+    for lk in [link] if links is None else [lk for _, lk in links]:
+        _check_bench_link(args, cfg, lk)
     launched = dist.launched_by_torchrun()
     pinned = pin_cpu_threads(args.threads, dist.local_rank() if launched else 0,
                              dist.local_world_size() if launched else 1)
@@ -84,30 +103,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompt = torch.tensor(ids).view(args.batch, args.prompt_len)
     for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
         built.use_plan(plan)
+    if links is not None:
+        built.use_link(links[0][1])  # the emulation wrapper exists before the bench reads the communicator
     res = latency_bench(built.use_plan, plans, prompt, args.decode_tokens, args.reps, args.warmup,
                         progress=built.is_main and not args.quiet, max_reps=args.max_reps,
-                        target_rel_ci=args.target_ci)
+                        target_rel_ci=args.target_ci, links=links, use_link=built.use_link)
     memory = built.memory()
     if not built.is_main:
         return 0
     rt = built.runtime
     settings = {"model": built.source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": args.batch,
                 "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
-                "link": link.to_dict(), "link_description": link.describe(), "exact_reduce": args.exact_reduce,
+                "exact_reduce": args.exact_reduce,
                 "runtime": "distributed" if built.dist else "single-process", "backend": rt.backend,
                 "device": str(rt.device), "executor": rt.executor, "threads_per_rank": pinned["threads"],
                 "cpu_cores_rank0": pinned["cores"], "max_reps": args.max_reps, "target_ci": args.target_ci,
                 "hidden_size": built.source.config.hidden_size, "num_layers": L, "model_spec": args.model,
                 "model_config": built.source.config.to_dict()}
-    table = markdown_table(res)
-    print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
-          f"{args.decode_tokens} decode tokens, link: {link.describe()}, medians of {res['reps_run']} interleaved reps "
-          f"[95% intervals], {pinned['threads']} thread(s) per rank")
-    print(table)
-    if args.json:
-        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), "memory": memory, **res})
-        atomic_write_text(args.json.removesuffix(".json") + ".md", table)
+    results = {None: (link, res)} if links is None else {label: (lk, res[label]) for label, lk in links}
+    for label, (lk, r) in results.items():
+        s = {**settings, "link": lk.to_dict(), "link_description": lk.describe()}
+        if links is not None:
+            s["interleaved_links"] = [lb for lb, _ in links]
+        table = markdown_table(r)
+        print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
+              f"{args.decode_tokens} decode tokens, link: {lk.describe()}"
+              + ("" if label is None else f" (interleaved with {len(links) - 1} other link(s))")
+              + f", medians of {r['reps_run']} interleaved reps [95% intervals], "
+              f"{pinned['threads']} thread(s) per rank")
+        print(table)
+        if args.json:
+            path = bench_json_path(args.json, label)
+            atomic_write_json(path, {"settings": s, "provenance": provenance(), "memory": memory, **r})
+            atomic_write_text(path.removesuffix(".json") + ".md", table)
     return 0
+
+
+def bench_json_path(json_path: str, link_label: str | None) -> str:
+    """Where ``syncdrop bench --json OUT.json`` writes a link's result: ``OUT.json`` itself, or with
+    ``--links`` one file per link, ``OUT_<link>.json`` (``100MB/s+50us`` -> ``OUT_100MBps+50us.json``)."""
+    from syncdrop.bench.ring import link_slug
+
+    if link_label is None:
+        return json_path
+    return f"{json_path.removesuffix('.json')}_{link_slug(link_label)}.json"
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
@@ -292,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --engine vllm: unmodified vLLM on the original architecture (plan none only)")
     p.add_argument("--work-dir", default="runs/vllm_bench",
                    help="with --engine vllm: where the served export and the engine log go (default runs/vllm_bench)")
+    p.add_argument("--links", default=None,
+                   help="interleave several emulated links in one run, e.g. none,inf+50us,100MB/s+50us (every rep "
+                        "runs every plan on every link); --json OUT.json then writes OUT_<link>.json per link")
     p.add_argument("--dataset", default="auto", help="text the prompt is cut from (default auto)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="write results JSON (and a .md table beside it)")
@@ -348,7 +390,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
                 parse_plan(spec, cfg.num_layers, args.drop_variant)
             else:
                 _own_plan(source, args.model)
-        _check_bench_link(args, cfg)
+        links = _bench_links(args, link_from_args(args))
+        for lk in [None] if links is None else [lk for _, lk in links]:
+            _check_bench_link(args, cfg, lk)
     if args.dist_timeout <= 0:
         raise SyncdropError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     return launch([a for a in argv if a != "--launch"], args.tp, grace_s=min(args.dist_timeout, 30.0))

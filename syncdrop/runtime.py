@@ -157,13 +157,16 @@ class Runtime:
             comm: Communicator = DistComm(tp, exact=self.exact_reduce)
         else:
             comm = SimulatedComm(tp)
-        if not self.link.active:
-            return comm
+        return self.emulate_link(comm, self.link) if self.link.active else comm
+
+    def emulate_link(self, comm: Communicator, link: Link) -> EmulatedLinkComm:
+        """``comm`` with ``link`` emulated on it; the wait spins when every local rank has a core of its
+        own (:func:`~syncdrop.bench.link.ranks_have_own_cores`)."""
         from syncdrop.bench.link import ranks_have_own_cores
         from syncdrop.parallel import dist
 
-        return EmulatedLinkComm(comm, self.link, spin=ranks_have_own_cores(dist.local_world_size()
-                                                                           if self.distributed else 1))
+        return EmulatedLinkComm(comm, link, spin=ranks_have_own_cores(dist.local_world_size()
+                                                                      if self.distributed else 1))
 
     def local_ranks(self, tp: int) -> list[int]:
         """The ranks this process holds: all of them when simulated, its own when distributed."""
@@ -281,6 +284,16 @@ class Built:
         model.plan = plan
         self.model, self.plan = model, plan
         return model
+
+    def use_link(self, link: Link) -> None:
+        """Emulate ``link`` from now on (an inactive one: no emulation) on the communicator that every
+        plan's model shares; the first call wraps it in an :class:`EmulatedLinkComm` (kept from then on:
+        later calls only switch its link), so ``syncdrop bench --links`` can interleave links."""
+        if not isinstance(self.comm, EmulatedLinkComm):
+            self.comm = self.runtime.emulate_link(self.comm, link)
+            for model in self._models.values():
+                model.comm = self.comm
+        self.comm.link = link
 
     def memory(self) -> dict[str, Any]:
         """Per-rank memory: weights held, peak host RSS (and before loading), CUDA peak allocated and

@@ -22,6 +22,7 @@ import pytest
 from syncdrop.auto import pipeline
 from syncdrop.auto.pipeline import AutoSettings, Stages, _choose
 from syncdrop.cli import main
+from syncdrop.models.loading import resolve_model
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 DEMO = RESULTS / "demo_auto"  # committed copy of a `make demo` run (SmolLM2, TP=2, 5 candidates)
@@ -138,11 +139,22 @@ STAGES = ("_profile", "_plans", "_distill", "_ppl", "_bench", "_choose", "_zeros
 
 
 def _fake_bench(noemul: Path, emul: Path, calls: list[list[str]]):
+    """Writes what `syncdrop bench` would: with --links, OUT_<link>.json and .md per link (the first link
+    un-emulated, the second the user's), else OUT.json."""
+    from syncdrop.bench.ring import link_slug
+
     def run(args: list[str]) -> None:
         assert args[0] == "bench", args  # zero-shot must not start `syncdrop eval` without lm-eval
         calls.append(args)
+        out = Path(args[args.index("--json") + 1])
+        if "--links" in args:
+            for label, src in zip(args[args.index("--links") + 1].split(","), (noemul, emul), strict=True):
+                path = out.with_name(f"{out.stem}_{link_slug(label)}.json")
+                path.write_text(src.read_text())
+                path.with_suffix(".md").write_text("table\n")
+            return
         src = emul if "--link-bandwidth" in args or "--link-latency" in args else noemul
-        Path(args[args.index("--json") + 1]).write_text(src.read_text())
+        out.write_text(src.read_text())
     return run
 
 
@@ -191,7 +203,9 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
         return dict(counts)
 
     assert run() == {n: 1 for n in STAGES}
-    assert len(calls) == 2 and "--link-bandwidth" in calls[1] and "--link-bandwidth" not in calls[0]
+    # one bench, the un-emulated link and the user's interleaved
+    assert len(calls) == 1 and calls[0][calls[0].index("--links") + 1] == "none,100MB/s+50us"
+    assert {p.name for p in out.glob("bench_*.json")} == {"bench_noemul.json", "bench_link.json"}
     ppl = json.loads((out / "ppl.json").read_text())
     assert [r["fraction"] for r in ppl["rows"]] == [0.0, 0.5, 1.0]
     assert ppl["dense_ppl"] == ppl["rows"][0]["ppl_zero_shot"] > 0
@@ -207,9 +221,37 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
         assert (out / name).stat().st_mtime_ns == mtimes[name], name  # the cached files were not rewritten
     link[-1] = "100us"
     assert run("--max-ppl-increase", "0.5") == {"_bench": 1, "_choose": 1, "_zeroshot": 1}
-    assert calls[-1][calls[-1].index("--link-latency") + 1] == "100us"
+    assert calls[-1][calls[-1].index("--links") + 1] == "none,100MB/s+100us"
     assert run("--max-ppl-increase", "0.5", "--eval-windows", "2") == {"_ppl": 1, "_choose": 1, "_zeroshot": 1}
     assert json.loads((out / "ppl.json").read_text())["windows"] == 2
+
+
+def test_recovery_budget_chooses_methods_and_the_report_says_what_they_cost(tiny_llama_dir, auto_env,
+                                                                           tmp_path) -> None:
+    """--recovery-budget 0 trains nothing (every candidate zero-shot, distilled ppl = zero-shot ppl); a
+    generous budget gives the candidates end-to-end distillation after the block stage, their model
+    directories are the end-to-end ones (run by the ppl stage under their plan), and the report names
+    each candidate's method and the measured cost."""
+    counts, calls, data = auto_env
+    out = tmp_path / "auto"
+    assert main(_auto_args(tiny_llama_dir, out, data, "--recovery-budget", "0", "--max-ppl-increase", "1.0")) == 0
+    dist = json.loads((out / "distill.json").read_text())
+    assert set(dist["recovery"]["methods"].values()) == {"zs"} and dist["trained_blocks"] == []
+    ppl = json.loads((out / "ppl.json").read_text())
+    assert all(r["ppl_distilled"] == r["ppl_zero_shot"] for r in ppl["rows"])
+
+    assert main(_auto_args(tiny_llama_dir, out, data, "--recovery-budget", "1h", "--e2e-samples", "1",
+                           "--max-ppl-increase", "1.0")) == 0
+    dist = json.loads((out / "distill.json").read_text())
+    rec = dist["recovery"]
+    assert rec["methods"]["0"] == "zs" and {rec["methods"]["0.5"], rec["methods"]["1"]} <= {"b2b+e2e", "e2e"}
+    for key in ("0.5", "1"):
+        assert dist["models"][key].endswith("_e2e") and rec["e2e_measured_s"][key] > 0
+        assert all(b["tier"] == "e2e" for b in resolve_model(dist["models"][key]).spd.blocks.values())
+    ppl = json.loads((out / "ppl.json").read_text())
+    assert all(r["ppl_distilled"] != r["ppl_zero_shot"] for r in ppl["rows"] if r["fraction"] > 0)
+    report = (out / "report.md").read_text()
+    assert "Recovery within --recovery-budget 1h" in report and "SPD 1: " in report
 
 
 def test_cost_model_not_fitted_recommends_dense(tiny_llama_dir, auto_env, tmp_path, monkeypatch, capsys) -> None:

@@ -155,14 +155,19 @@ def test_tp_must_match_world_size(tiny_llama_dir, long_text) -> None:
 
 
 def test_bench_under_launch(tiny_llama_dir, long_text, tmp_path: Path) -> None:
-    """bench writes the documented fields, and every rank exits 0."""
+    """bench writes the documented fields, one file per interleaved link (--links), and every rank exits 0."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "syncdrop", "bench", "--launch", "--model", str(tiny_llama_dir),
                         "--tp", "2", "--plans", "none,blocks:0,all", "--prompt-len", "16", "--decode-tokens", "3",
-                        "--reps", "2", "--warmup", "0", "--dataset", str(long_text), "--link-latency", "20us",
+                        "--reps", "2", "--warmup", "0", "--dataset", str(long_text), "--links", "none,inf+20us",
                         "--json", str(out), "-q"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())
+    assert not out.exists() and (tmp_path / "bench_none.md").is_file()
+    bare = json.loads((tmp_path / "bench_none.json").read_text())
+    res = json.loads((tmp_path / "bench_inf+20us.json").read_text())
+    for d in (bare, res):
+        assert d["settings"]["interleaved_links"] == ["none", "inf+20us"] and d["reps_run"] == 2
+    assert bare["settings"]["link"]["bandwidth_Bps"] is None and bare["settings"]["link"]["latency_s"] == 0
     assert [p["plan"] for p in res["plans"]] == ["none", "blocks:0", "all"]
     for p in res["plans"]:
         for key in ("plan", "spd_fraction", "ttft_ms", "decode_ms", "ideal_saving_ms", "realised_over_ideal"):
@@ -174,7 +179,7 @@ def test_bench_under_launch(tiny_llama_dir, long_text, tmp_path: Path) -> None:
     # each sync point inside the forward includes the emulated ring's wait, 2 (N - 1) x 20 us, at least
     assert min(min(t) for t in sync["prefill_samples_ms"] + sync["decode_samples_ms"]) >= 0.04
     assert res["memory"]["ranks"][1]["weights_mb"] < res["memory"]["full_copy_mb"]
-    assert (tmp_path / "bench.md").is_file()
+    assert (tmp_path / "bench_inf+20us.md").is_file()
 
 
 @pytest.mark.parametrize("extra", [
@@ -204,6 +209,9 @@ def test_generate_under_launch_equals_simulation(tiny_llama_dir, capsys, extra: 
         (["bench", "--launch", "--tp", "2", "--link-latency", "soon"], "--link-latency 'soon'"),
         (["bench", "--launch", "--tp", "2", "--plans", "none,sideways"], "malformed plan"),
         (["bench", "--launch", "--tp", "2", "--plans", "none,model"], "has no plan of its own"),
+        (["bench", "--launch", "--tp", "2", "--links", "none,fast"], "--links 'fast'"),
+        (["bench", "--launch", "--tp", "2", "--links", "none,inf+20us,inf+0.02ms"], "same link as 'inf+20us'"),
+        (["bench", "--launch", "--tp", "2", "--links", "none", "--link-latency", "20us"], "drop --link-bandwidth"),
         (["generate", "--launch", "--tp", "9", "--prompt", "x"], "exceeds the model's 6 query heads"),
     ],
 )

@@ -3,6 +3,8 @@ against the dense model they distil (the teacher) and the simulated executor tha
 
 from __future__ import annotations
 
+import math
+
 import torch
 from safetensors.torch import load_file
 
@@ -153,3 +155,57 @@ def test_distill_cli_methods_and_bad_input(tiny_llama_dir, text_file, tmp_path, 
         except SystemExit as e:  # argparse's own errors
             code = e.code
         assert code == 2 and message in capsys.readouterr().err, args
+
+
+# ---------------------------------------------------------------------------- recovery within a time budget
+
+
+def test_recovery_budget_parsing_and_bad_budgets_exit_2(capsys) -> None:
+    from syncdrop.errors import SyncdropError
+    from syncdrop.spd.recovery import parse_duration
+
+    assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400 and parse_duration("90s") == 90
+    assert parse_duration("0") == 0
+    for bad in ("soon", "-5m", "30 parsecs", ""):
+        try:
+            parse_duration(bad)
+            raise AssertionError(bad)
+        except SyncdropError as e:
+            assert "--recovery-budget" in str(e)
+    for args, message in ((["--recovery-budget", "soon"], "--recovery-budget 'soon'"),
+                          (["--e2e-samples", "0"], "--e2e-samples must be at least 1"),
+                          (["--e2e-lr", "0"], "--e2e-lr must be a positive number")):
+        assert main(["auto", *args, "--out", "/tmp/never"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, args
+
+
+def test_allocate_spends_the_budget_on_the_largest_candidates_first() -> None:
+    """The block stage first (else all zero-shot); then end to end for the candidates that drop most."""
+    from syncdrop.spd.recovery import Candidate, allocate
+
+    cands = [Candidate("0", 0, 0), Candidate("0.5", 3, 2), Candidate("1", 6, 4)]
+    # block stage 100 s, each end-to-end run 50 s
+    full = allocate(200, cands, 100, 1.0, 10, 5.0)
+    assert full.methods == {"0": "zs", "0.5": "b2b+e2e", "1": "b2b+e2e"} and full.total_s == 200
+    one = allocate(170, cands, 100, 1.0, 10, 5.0)
+    assert one.methods == {"0": "zs", "0.5": "b2b", "1": "b2b+e2e"} and one.total_s == 150
+    assert any("0.5" in n for n in one.notes)
+    none = allocate(99, cands, 100, 1.0, 10, 5.0)
+    assert set(none.methods.values()) == {"zs"} and not none.block_stage and "over the" in none.notes[0]
+    # nothing tiered for B2B: end to end from the zero-shot blocks
+    zs_only = allocate(60, [Candidate("1", 6, 0)], 0, 0.0, 10, 5.0)
+    assert zs_only.methods == {"1": "e2e"} and not zs_only.block_stage
+
+
+def test_probes_run_real_steps(tiny_llama_dir, tmp_path) -> None:
+    """The probes run real training steps (of block 0, of the whole plan) and return a time (no timing is
+    asserted beyond being a duration: timing belongs in benchmarks)."""
+    from syncdrop.spd.e2e import probe_step_s
+    from syncdrop.spd.recovery import probe_block_step_s
+
+    source = resolve_model(str(tiny_llama_dir))
+    w = _windows(source.config.vocab_size, 1, 32, 0)
+    block = probe_block_step_s(source, TP, w, torch.device("cpu"))
+    e2e = probe_step_s(str(tiny_llama_dir), TP, SyncPlan.uniform(source.config.num_layers, "drop"), w)
+    assert all(math.isfinite(t) and t > 0 for t in (block, e2e))

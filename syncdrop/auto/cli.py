@@ -27,6 +27,13 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--distill-samples", type=int, default=4)
     p.add_argument("--distill-epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3, help="B2B learning rate (default 1e-3, see docs/spd.md)")
+    p.add_argument("--recovery-budget", default="10m",
+                   help="time for recovery training, e.g. 30m, 1h, 0 (default 10m): the block stage (B2B / HG+B2B) "
+                        "first, then end-to-end distillation for the candidates that drop most, while the time "
+                        "predicted from step times measured here fits; 0 = zero-shot only")
+    p.add_argument("--e2e-samples", type=int, default=16, help="end-to-end distillation windows (default 16)")
+    p.add_argument("--e2e-epochs", type=int, default=1, help="end-to-end distillation epochs (default 1)")
+    p.add_argument("--e2e-lr", type=float, default=1e-4, help="end-to-end distillation learning rate (default 1e-4)")
     p.add_argument("--tau1", default="0", help="zero-shot tier bound (default 0: see docs/spd.md)")
     p.add_argument("--tau2", default="1%", help="B2B tier bound (default 1%% of baseline ppl)")
     p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 test windows for perplexity")
@@ -58,8 +65,13 @@ def cmd_auto(args: argparse.Namespace) -> int:
         fractions = tuple(float(x) for x in args.fractions.split(",") if x.strip())
     except ValueError:
         raise SyncdropError(f"--fractions {args.fractions!r}: expected comma-separated numbers") from None
+    from syncdrop.spd.recovery import parse_duration
+
+    parse_duration(args.recovery_budget)
+    if not args.e2e_lr > 0:
+        raise SyncdropError(f"--e2e-lr must be a positive number, got {args.e2e_lr}")
     for name in ("calib_samples", "seq_len", "distill_samples", "distill_epochs", "eval_windows", "zs_limit",
-                 "prompt_len", "decode_tokens", "reps", "max_reps"):
+                 "prompt_len", "decode_tokens", "reps", "max_reps", "e2e_samples", "e2e_epochs"):
         if getattr(args, name) < 1:
             raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_reps < args.reps:
@@ -68,7 +80,9 @@ def cmd_auto(args: argparse.Namespace) -> int:
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
-                     args.reps, args.data_dir, args.device, args.max_reps, args.engine)
+                     args.reps, args.data_dir, args.device, args.max_reps, args.engine,
+                     recovery_budget=args.recovery_budget, e2e_samples=args.e2e_samples, e2e_epochs=args.e2e_epochs,
+                     e2e_lr=args.e2e_lr)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
     ttft = "" if c["measured_ttft_ms"] is None else f", measured TTFT {c['measured_ttft_ms']:.1f} ms"

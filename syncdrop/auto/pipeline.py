@@ -24,7 +24,9 @@ Stages:
    (skipped when lm-eval is not installed or no task data can be found).
 6. ``bench``: ``syncdrop bench --launch`` (``--engine vllm``: ``syncdrop bench --engine vllm``, the
    candidates served in vLLM) without and with the link emulation (time to first token, decode step per
-   candidate), and the cost model calibrated on the first, predicting the second.
+   candidate), and the cost model calibrated on the first, predicting the second. In syncdrop's runtime
+   both links run in one bench, interleaved (``--links none,LINK``), so that machine drift between two
+   runs cannot bias the prediction.
 7. ``choice``: a candidate other than dense only when the measurement supports it: its perplexity
    increase (distilled, else zero-shot) is within ``--max-ppl-increase``, its measured TTFT gain over
    dense on the user's emulated link is significant (the 95% interval of TTFT / dense lies below 1)
@@ -82,6 +84,10 @@ class AutoSettings:
     device: str = "auto"  # where profile, distillation, perplexity and the bench run (not part of stage keys)
     max_reps: int = 30
     engine: str = "syncdrop"  # where candidates are benchmarked: syncdrop's runtime, or vLLM (then exported)
+    recovery_budget: str = "10m"  # time for recovery training (syncdrop.spd.recovery): block stage, then e2e
+    e2e_samples: int = 16
+    e2e_epochs: int = 1
+    e2e_lr: float = 1e-4
 
     def runtime(self):
         """The single-process runtime of the in-process stages (the bench runs `syncdrop bench --launch`)."""
@@ -165,15 +171,16 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
     # SPD 0 (dense) is always a candidate: the perplexity budget is relative to it
     fractions = sorted(set(s.fractions) | {0.0} | ({s.spd} if s.spd is not None else set()))
     plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
-    dist = st.run("distill", [_result_key(plans), s.distill_samples, s.distill_epochs, s.lr, s.seq_len],
+    dist = st.run("distill", [_result_key(plans), s.distill_samples, s.distill_epochs, s.lr, s.seq_len,
+                              s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr],
                   lambda: _distill(s, root, plans, calib))
     ppl = st.run("ppl", [_result_key(dist), s.eval_windows, s.seq_len, test.info()],
                  lambda: _ppl(s, root, plans, test))
     bench = st.run("bench", [_result_key(plans), link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
-                             s.max_reps],
+                             s.max_reps, "links interleaved" if s.engine == "syncdrop" else "two runs"],
                    lambda: _bench(s, root, plans, link))
     choice = st.run("choice", [_result_key(ppl), _result_key(bench), s.max_ppl_increase, s.spd],
-                    lambda: _choose(s, plans, ppl, bench))
+                    lambda: _choose(s, plans, ppl, bench, dist))
     served = None
     if s.engine == "vllm":
         served = st.run("export", [_result_key(choice), s.tp], lambda: _export(s, root, choice))
@@ -221,25 +228,58 @@ def _plans(s: AutoSettings, root: Path, fractions: list[float]) -> dict[str, Any
 
 
 def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> dict[str, Any]:
+    """The recovery stage: which method each candidate gets within ``--recovery-budget``
+    (:func:`syncdrop.spd.recovery.allocate`, from step times measured first), then the block stage (B2B /
+    HG+B2B of the largest candidate's tiered blocks, shared) and end-to-end distillation per candidate.
+    Every candidate becomes a ``--model`` directory ``ROOT/models/spdNN``."""
+    import time
+
     from syncdrop.io_utils import atomic_write_json
     from syncdrop.models.loading import resolve_model
     from syncdrop.plan import SyncPlan
+    from syncdrop.spd import recovery
     from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, write_subset
     from syncdrop.spd.distill import DistillSettings, base_spec, distill
+    from syncdrop.spd.e2e import E2ESettings, e2e_distill, probe_step_s
 
+    t_start = time.perf_counter()
+    budget = recovery.parse_duration(s.recovery_budget)
     cands = plans["candidates"]
     big = max(cands.values(), key=lambda c: len(c["dropped"]))
     tiers = {int(k): v for k, v in big["tiers"].items()}
     source = resolve_model(s.model)
     L = source.config.num_layers
+    device = s.runtime().device
     bank = root / "distilled"
+    n_trained = sum(t != "zs" for t in tiers.values())
+    held = 1
+    data, w = _windows(source, calib or "auto:valid", s.seq_len, max(s.distill_samples, s.e2e_samples) + held,
+                       s.data_dir)
+    train_w, held_w = w[:-held], w[-held:]
+    e2e_settings = E2ESettings(s.e2e_lr, s.e2e_epochs)
+    e2e_settings.check()
+    probes = {"block_step_s": 0.0, "e2e_step_s": 0.0}
+    if budget > 0 and n_trained:
+        probes["block_step_s"] = recovery.probe_block_step_s(source, s.tp, w[:1], device)
+    if budget > 0 and big["dropped"]:
+        probes["e2e_step_s"] = probe_step_s(s.model, s.tp, SyncPlan.load(big["path"], L), w[:1], e2e_settings,
+                                            device)
+    rplan = recovery.allocate(
+        budget, [recovery.Candidate(k, len(c["dropped"]), sum(t != "zs" for t in c["tiers"].values()))
+                 for k, c in cands.items()],
+        n_trained * s.distill_samples * s.distill_epochs, probes["block_step_s"],
+        s.e2e_samples * s.e2e_epochs + held * (s.e2e_epochs + 1), probes["e2e_step_s"])
+    probe_s = time.perf_counter() - t_start
+    log.info("recovery plan (budget %s): %s", s.recovery_budget, rplan.methods)
     trained: dict[str, Any] = {}
-    if any(t != "zs" for t in tiers.values()):
-        data, w = _windows(source, calib or "auto:valid", s.seq_len, s.distill_samples + 1, s.data_dir)
-        m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, w[:-1], w[-1:], bank,
-                    DistillSettings(s.lr, s.distill_epochs), data.info(), device=s.runtime().device)
+    block_s = 0.0
+    if rplan.block_stage:
+        t0 = time.perf_counter()
+        m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, train_w[: s.distill_samples], held_w, bank,
+                    DistillSettings(s.lr, s.distill_epochs), data.info(), device=device)
         trained = m["blocks"]
-    models = {}
+        block_s = time.perf_counter() - t0
+    models, spent = {}, {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
         d = root / "models" / f"spd{round(c['fraction'] * 100):03d}"
         plan = SyncPlan.load(c["path"], L)
@@ -250,8 +290,18 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
                                              "base_model": base_spec(s.model), "tp": s.tp, "plan": plan.to_dict(),
                                              "blocks": {}})
         models[key] = str(d)
+        if rplan.methods[key] in ("b2b+e2e", "e2e"):
+            t0 = time.perf_counter()
+            e2e_dir = root / "models" / f"spd{round(c['fraction'] * 100):03d}_e2e"
+            e2e_distill(str(d) if trained else s.model, s.tp, plan, train_w[: s.e2e_samples], held_w, e2e_dir,
+                        e2e_settings, data.info(), progress=False, device=device)
+            spent[key] = time.perf_counter() - t0
+            models[key] = str(e2e_dir)
     return {"models": models, "trained_blocks": sorted(int(k) for k in trained),
-            "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()}}
+            "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()},
+            "recovery": {**rplan.to_dict(), "budget": s.recovery_budget, "probes": probes, "probe_s": probe_s,
+                         "block_stage_measured_s": block_s, "e2e_measured_s": spent,
+                         "total_measured_s": time.perf_counter() - t_start}}
 
 
 def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any], test=None) -> dict[str, Any]:
@@ -296,16 +346,29 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     if s.data_dir:
         common += ["--data-dir", s.data_dir]
     noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
-    _syncdrop(["bench", *common, "--json", str(noemul)])
+    lk = []
+    if s.link_bandwidth:
+        lk += ["--link-bandwidth", s.link_bandwidth]
+    if s.link_latency:
+        lk += ["--link-latency", s.link_latency]
     files = [noemul]
-    if link.active:
-        lk = []
-        if s.link_bandwidth:
-            lk += ["--link-bandwidth", s.link_bandwidth]
-        if s.link_latency:
-            lk += ["--link-latency", s.link_latency]
-        _syncdrop(["bench", *common, *lk, "--json", str(emul)])
+    if link.active and s.engine == "syncdrop":
+        # one run, the two links interleaved like the plans: the calibration (no emulation) and the
+        # user's link see the same machine (bench --links writes bench_none.json and bench_link.json)
+        user = f"{s.link_bandwidth or 'inf'}+{s.link_latency or '0us'}"
+        _syncdrop(["bench", *common, "--links", f"none,{user}", "--json", str(root / "bench.json")])
+        (root / "bench_none.json").replace(noemul)
+        (root / "bench_none.md").replace(noemul.with_suffix(".md"))
+        from syncdrop.bench.ring import link_slug
+
+        (root / f"bench_{link_slug(user)}.json").replace(emul)
+        (root / f"bench_{link_slug(user)}.md").replace(emul.with_suffix(".md"))
         files.append(emul)
+    else:
+        _syncdrop(["bench", *common, "--json", str(noemul)])
+        if link.active:
+            _syncdrop(["bench", *common, *lk, "--json", str(emul)])
+            files.append(emul)
     frac = {c["path"]: c["fraction"] for c in plans["candidates"].values()}
     target = str(files[-1])
     try:
@@ -369,7 +432,7 @@ def _verdict(c: dict[str, Any], budget: float | None) -> str | None:
     return None
 
 
-def _choose(s: AutoSettings, plans, ppl, bench) -> dict[str, Any]:
+def _choose(s: AutoSettings, plans, ppl, bench, dist=None) -> dict[str, Any]:
     """The decision, supported by the measurement: a plan other than dense is chosen only when (1) its
     perplexity increase is within the budget, (2) its measured TTFT gain over dense on the decision link
     (the user's emulated link, else none) is significant: the 95% interval of TTFT / dense lies below 1,
@@ -415,10 +478,10 @@ def _choose(s: AutoSettings, plans, ppl, bench) -> dict[str, Any]:
                    f"dense ({failed})")
             recommend = True
     key = f"{pick['fraction']:g}"
+    model_dir = (dist or {}).get("models", {}).get(key) or str(
+        Path(plans["candidates"][key]["path"]).parent.parent / "models" / f"spd{round(pick['fraction'] * 100):03d}")
     return {"candidates": cands, "chosen": pick, "reason": why, "recommend_dense": recommend, "decision_link": link,
-            "plan": plans["candidates"][key]["path"],
-            "model_dir": str(Path(plans["candidates"][key]["path"]).parent.parent / "models" /
-                             f"spd{round(pick['fraction'] * 100):03d}")}
+            "plan": plans["candidates"][key]["path"], "model_dir": model_dir}
 
 
 def _zeroshot_data(s: AutoSettings) -> tuple[str | None, str | None]:

@@ -57,6 +57,25 @@ def _serving(served: dict[str, Any] | None) -> list[str]:
             f"    {served['serve']['cpu']}", ""]
 
 
+def _recovery(dist: dict[str, Any], plans: dict[str, Any]) -> list[str]:
+    """The recovery method of each candidate and what it cost (measured), from the distill stage."""
+    r = dist.get("recovery")
+    if not r:
+        return []
+    frac = {k: c["fraction"] for k, c in plans["candidates"].items()}
+    per = ", ".join(f"SPD {frac[k]:g}: {m}" + (f" ({r['e2e_measured_s'][k]:.0f} s end to end)"
+                                                if k in r["e2e_measured_s"] else "")
+                    for k, m in sorted(r["methods"].items(), key=lambda kv: frac[kv[0]]) if frac[k] > 0)
+    p = r["probes"]
+    lines = [f"Recovery within --recovery-budget {r['budget']} ({r['budget_s'] / 60:.1f} min; step times measured "
+             f"first: B2B {p['block_step_s'] * 1e3:.0f} ms per block step, end to end {p['e2e_step_s']:.2f} s per "
+             f"step; predicted {r['predicted_total_s'] / 60:.1f} min): {per or 'no candidate drops a block'}. "
+             f"Measured: block stage {r['block_stage_measured_s']:.0f} s (shared by all candidates), probes "
+             f"{r['probe_s']:.0f} s, recovery in all {r['total_measured_s'] / 60:.1f} min."]
+    lines += [f"- {n}" for n in r["notes"]]
+    return [*lines, ""]
+
+
 def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link, served=None) -> dict[str, Any]:
     figs: dict[str, tuple[str, bytes]] = {}
 
@@ -150,7 +169,8 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
         md += ["", f"The cost model could not be fitted here ({bench['calibration']['error']}), so no prediction "
                "can confirm a measured gain."]
     md += ["", f"Perplexity: {ppl['dataset']}, first {ppl['windows']} windows of {ppl['seq_len']} tokens. "
-           f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", "", *_data_note(prof, ppl)]
+           f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", "", *_recovery(dist, plans),
+           *_data_note(prof, ppl)]
     if "results" in zs:
         zs_source = (zs.get("data") or {}).get("source")
         where = {"data-dir": " Documents from the data folder.",

@@ -95,10 +95,24 @@ def _ci_ms(ci: tuple[float, float] | None) -> list[float] | None:
     return None if ci is None else [ci[0] * 1e3, ci[1] * 1e3]
 
 
+def _allreduce_sweep(model, B: int, S: int) -> tuple[dict, list[dict]]:
+    """Isolated all-reduce timings over the payload sweep the cost model fits alpha and beta to
+    (decode, prefill and between): ``(ar, sizes)`` with ``ar`` = the prefill and decode entries."""
+    hidden, elem = model.cfg.hidden_size, model.embed.element_size()
+    sizes = []
+    for tokens in sorted({1, B, max(1, B * S // 8), max(1, B * S // 2), B * S}):
+        samples = time_all_reduce(model.comm, hidden, tokens, model.geo.r, model.dtype, model.device)
+        sizes.append({"tokens": tokens, "bytes": tokens * hidden * elem, "median_ms": _median_ms(samples),
+                      "samples_ms": [s * 1e3 for s in samples]})
+    ar = {what: next(x for x in sizes if x["tokens"] == tokens) for what, tokens in (("prefill", B * S), ("decode", B))}
+    return ar, sizes
+
+
 def latency_bench(
     model_for: Callable[[SyncPlan], Any], plans: list[tuple[str, SyncPlan]], prompt: torch.Tensor,
     decode_tokens: int, reps: int, warmup: int, progress: bool = True, max_reps: int | None = None,
-    target_rel_ci: float = 0.03,
+    target_rel_ci: float = 0.03, links: list[tuple[str, Any]] | None = None,
+    use_link: Callable[[Any], None] | None = None,
 ) -> dict:
     """Measure every plan; returns the ``allreduce``, ``sync_points`` and ``plans`` sections of the
     result JSON (see the module docstring).
@@ -111,60 +125,75 @@ def latency_bench(
     minimum number of interleaved reps; ``max_reps`` (default ``reps``): the most, run while some
     plan's median TTFT interval is wider than ``+-target_rel_ci``. ``warmup`` reps run first and are
     not recorded.
+
+    ``links``: ``[(label, link), ...]`` emulated links to interleave with the plans (every rep runs
+    every plan on every link, the baseline's instrumented run included; ``use_link(link)`` switches
+    the communicator's emulation, :meth:`~syncdrop.runtime.Built.use_link`). Machine drift then hits
+    all links alike, so a cost model calibrated on one link and checked on the others sees the same
+    machine. Returns ``{label: result}`` with one result per link (each as without ``links``).
     """
     from tqdm import tqdm
 
     if not plans:
         raise ValueError("latency_bench needs at least one plan")
+    if links is not None and (not links or use_link is None):
+        raise ValueError("latency_bench: links needs at least one link and use_link")
+    conds = links if links is not None else [(None, None)]
     max_reps = max(reps, max_reps or reps)
     B, S = prompt.shape
     model = model_for(plans[0][1])
-    cfg, comm = model.cfg, model.comm
+    cfg = model.cfg
     hidden = cfg.hidden_size
-    elem = model.embed.element_size()
-    sizes = []  # the payload sweep the cost model fits alpha and beta to: decode, prefill and between
-    for tokens in sorted({1, B, max(1, B * S // 8), max(1, B * S // 2), B * S}):
-        samples = time_all_reduce(comm, hidden, tokens, model.geo.r, model.dtype, model.device)
-        sizes.append({"tokens": tokens, "bytes": tokens * hidden * elem, "median_ms": _median_ms(samples),
-                      "samples_ms": [s * 1e3 for s in samples]})
-    ar = {what: next(x for x in sizes if x["tokens"] == tokens) for what, tokens in (("prefill", B * S), ("decode", B))}
+    sweeps = {}
+    for label, link in conds:
+        if link is not None:
+            use_link(link)
+        sweeps[label] = _allreduce_sweep(model, B, S)
+    comm = model.comm  # after use_link: the communicator every plan's model shares
     units = {spec: plan.comm_units(hidden) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     points = base_plan.sync_points(hidden)
-    samples = {spec: {"ttft": [], "decode": []} for spec, _ in plans}
-    sync_prefill: list[list[float]] = []  # (reps, points): the slowest rank's seconds per sync point
-    sync_decode: list[list[float]] = []
-    gather_prefill: list[float] = []
+    samples = {label: {spec: {"ttft": [], "decode": []} for spec, _ in plans} for label, _ in conds}
+    # per link, (reps, points): the slowest rank's seconds per sync point; and the prefill's gather seconds
+    sync_prefill: dict = {label: [] for label, _ in conds}
+    sync_decode: dict = {label: [] for label, _ in conds}
+    gather_prefill: dict = {label: [] for label, _ in conds}
     rep = 0
     converged = False
-    with tqdm(total=(warmup + max_reps) * (len(plans) + 1), desc="bench", unit="run", disable=not progress,
-              leave=False) as bar:
+    with tqdm(total=(warmup + max_reps) * (len(plans) + 1) * len(conds), desc="bench", unit="run",
+              disable=not progress, leave=False) as bar:
         while True:
-            for spec, plan in plans:
-                model = model_for(plan)
-                model.comm.barrier()
-                g = generate(model, prompt, decode_tokens + 1, clock=device_clock(model.device))
-                if rep >= warmup:
-                    samples[spec]["ttft"].append(g.ttft_s)
-                    samples[spec]["decode"].append(statistics.mean(g.decode_s) if g.decode_s else 0.0)
+            for label, link in conds:
+                if link is not None:
+                    use_link(link)
+                for spec, plan in plans:
+                    model = model_for(plan)
+                    model.comm.barrier()
+                    g = generate(model, prompt, decode_tokens + 1, clock=device_clock(model.device))
+                    if rep >= warmup:
+                        samples[label][spec]["ttft"].append(g.ttft_s)
+                        samples[label][spec]["decode"].append(statistics.mean(g.decode_s) if g.decode_s else 0.0)
+                    bar.update()
+                pre, dec, gat = _rep_sync_times(model_for(base_plan), comm, prompt, decode_tokens, len(points))
                 bar.update()
-            pre, dec, gat = _rep_sync_times(model_for(base_plan), comm, prompt, decode_tokens, len(points))
-            bar.update()
-            if rep >= warmup:
-                sync_prefill.append(pre)
-                sync_decode.append(dec)
-                gather_prefill.append(gat)
+                if rep >= warmup:
+                    sync_prefill[label].append(pre)
+                    sync_decode[label].append(dec)
+                    gather_prefill[label].append(gat)
             rep += 1
             done = rep - warmup
             if done >= reps:
-                wide = max(relative_half_width(samples[spec]["ttft"]) for spec, _ in plans) > target_rel_ci
+                wide = max(relative_half_width(samples[label][spec]["ttft"])
+                           for label, _ in conds for spec, _ in plans) > target_rel_ci
                 flag = comm.max_over_ranks(torch.tensor([1.0 if wide else 0.0], device=model.device))
                 converged = not bool(flag.item())
                 if converged or done >= max_reps:
                     break
 
-    return summarize(plans, samples, sync_prefill, sync_decode, gather_prefill, hidden, ar, sizes, converged,
-                     target_rel_ci)
+    out = {label: summarize(plans, samples[label], sync_prefill[label], sync_decode[label], gather_prefill[label],
+                            hidden, *sweeps[label], converged, target_rel_ci)
+           for label, _ in conds}
+    return out if links is not None else out[None]
 
 
 def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, list[float]]],

@@ -77,6 +77,8 @@ class EmulatedLinkComm(CommWrapper):
         self.waited_s = 0.0
 
     def _delay(self, out: torch.Tensor, seconds: float) -> None:
+        if not self.link.active:  # switched off (``syncdrop bench --links none,...``): the bare collective
+            return
         synchronize(out.device)
         wait(seconds, self.spin)
         self.waited_s += seconds

@@ -117,6 +117,45 @@ class Link:
         return {"bandwidth_Bps": self.bandwidth, "latency_s": self.latency, "formula": self.formula}
 
 
+def parse_link(text: str) -> Link:
+    """One link of ``--links``: ``none`` (no emulation), ``BANDWIDTH``, ``BANDWIDTH+LATENCY`` or
+    ``inf+LATENCY`` (e.g. ``100MB/s+50us``)."""
+    t = text.strip()
+    if t.lower() == "none":
+        return Link()
+    bw_text, _, lat_text = t.partition("+")
+    try:
+        bw = None if bw_text.strip().lower() == "inf" else parse_bandwidth(bw_text)
+        lat = parse_latency(lat_text) if lat_text.strip() else 0.0
+    except SyncdropError:
+        raise SyncdropError(f"--links {text!r}: expected none, BANDWIDTH, BANDWIDTH+LATENCY or inf+LATENCY "
+                            "(e.g. 100MB/s+50us)") from None
+    return Link(bw, lat)
+
+
+def parse_links(text: str) -> list[tuple[str, Link]]:
+    """``--links none,inf+50us,100MB/s+50us`` -> ``[(label, Link), ...]`` (labels as given, distinct)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise SyncdropError("--links: expected a comma-separated list like none,100MB/s+50us, got nothing")
+    out = [(t, parse_link(t)) for t in items]
+    for i, (label, link) in enumerate(out):
+        for other, prev in out[:i]:
+            if _same(link, prev):
+                raise SyncdropError(f"--links: {label!r} is the same link as {other!r}")
+    return out
+
+
+def _same(a: Link, b: Link) -> bool:
+    return (a.bandwidth is None) == (b.bandwidth is None) and math.isclose(a.bandwidth or 0, b.bandwidth or 0) \
+        and math.isclose(a.latency, b.latency, abs_tol=1e-12)
+
+
+def link_slug(label: str) -> str:
+    """A file-name part for a ``--links`` label: ``100MB/s+50us`` -> ``100MBps+50us``."""
+    return re.sub(r"[^A-Za-z0-9.+_-]", "", label.replace("/s", "ps"))
+
+
 def check_within_timeout(link: Link, n_bytes: float, n_ranks: int, timeout_s: float) -> None:
     """Refuse a link on which one all-reduce of ``n_bytes`` per rank would be emulated as taking at
     least the collective timeout: every such wait is a rank that looks dead to the others."""

@@ -169,6 +169,54 @@ def _load_state(path: Path, params: dict, opt: torch.optim.Optimizer, best: dict
     return meta
 
 
+def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings, device: torch.device):
+    """``(source, source for plan, Student, teacher TPModel)`` for training ``plan``'s dropped blocks of ``start``."""
+    from syncdrop.models.config import model_names
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.runtime import check_checkpoint_tp, for_plan
+
+    source = resolve_model(start)
+    cfg = source.config
+    check_checkpoint_tp(source, tp)
+    if plan.num_blocks != cfg.num_layers or not plan.dropped or plan.has_partial:
+        raise SyncdropError("end-to-end distillation needs a plan for this model that drops sync points (no "
+                            "partial sync)", field="plan")
+    src = for_plan(source, plan, warn=False)
+    layouts = distilled_layouts(src.spd, cfg) if src.spd is not None else {}
+    base_reader = src.reader.base if src.spd is not None else src.reader
+    tensors = {n: src.reader.get(n).to(torch.float32).to(device) for n in model_names(cfg)}
+    trainable = [n for i in plan.dropped for n in layer_names(i, cfg)]
+    student = Student(tensors, trainable, settings, cfg, tp, plan, layouts, device)
+    return source, src, student, simulated_model(cfg, base_reader, tp, device=device)
+
+
+def _step(student: Student, teacher: TPModel, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on window ``ids`` ``(1, S)``: the KL of the student to the teacher; returns the loss."""
+    with torch.no_grad():
+        target = teacher.logits(teacher.hidden_states(ids)).clone()  # a plain tensor, not an inference one
+    loss = kl_to_teacher(student.logits(ids), target)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def probe_step_s(start: str, tp: int, plan: SyncPlan, window: torch.Tensor, settings: E2ESettings | None = None,
+                 device: torch.device | str = "cpu", steps: int = 2) -> float:
+    """Seconds per end-to-end step (one window ``(1, S)``) of ``plan``'s dropped blocks, measured: ``steps``
+    steps after one untimed warm-up; nothing is written."""
+    s = settings or E2ESettings()
+    device = torch.device(device)
+    _, _, student, teacher = _student_teacher(start, tp, plan, s, device)
+    opt = torch.optim.AdamW(student.params.values(), lr=s.lr)
+    ids = window.to(device)
+    _step(student, teacher, opt, ids)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _step(student, teacher, opt, ids).item()
+    return (time.perf_counter() - t0) / steps
+
+
 def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor, held_windows: torch.Tensor,
                 out_dir: str | Path, settings: E2ESettings, calib: dict[str, Any], progress: bool = True,
                 device: torch.device | str = "cpu", stop_after: int | None = None) -> dict[str, Any]:
@@ -179,29 +227,14 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
     from tqdm import tqdm
 
     from syncdrop.io_utils import atomic_write_json, provenance
-    from syncdrop.models.loading import resolve_model
-    from syncdrop.runtime import check_checkpoint_tp, for_plan
     from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, block_file, save_block
     from syncdrop.spd.distill import base_spec
 
     settings.check()
     device = torch.device(device)
-    source = resolve_model(start)
+    source, src, student, teacher = _student_teacher(start, tp, plan, settings, device)
     cfg = source.config
-    check_checkpoint_tp(source, tp)
-    if plan.num_blocks != cfg.num_layers or not plan.dropped or plan.has_partial:
-        raise SyncdropError("end-to-end distillation needs a plan for this model that drops sync points (no "
-                            "partial sync)", field="plan")
-    src = for_plan(source, plan, warn=False)
-    layouts = distilled_layouts(src.spd, cfg) if src.spd is not None else {}
-    base_reader = src.reader.base if src.spd is not None else src.reader
     base_model = src.spd.base_model if src.spd is not None else base_spec(start)
-    from syncdrop.models.config import model_names
-
-    tensors = {n: src.reader.get(n).to(torch.float32).to(device) for n in model_names(cfg)}
-    trainable = [n for i in plan.dropped for n in layer_names(i, cfg)]
-    student = Student(tensors, trainable, settings, cfg, tp, plan, layouts, device)
-    teacher = simulated_model(cfg, base_reader, tp, device=device)
     out = Path(out_dir)
     (out / "blocks").mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
@@ -235,13 +268,7 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
             epoch, pos = divmod(meta["step"], n_train)
             order = torch.randperm(n_train, generator=torch.Generator().manual_seed(settings.seed * 7919 + epoch))
             j = int(order[pos])
-            ids = train_windows[j : j + 1].to(device)
-            with torch.no_grad():
-                target = teacher.logits(teacher.hidden_states(ids)).clone()  # a plain tensor, not an inference one
-            loss = kl_to_teacher(student.logits(ids), target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = _step(student, teacher, opt, train_windows[j : j + 1].to(device))
             meta["train_curve"].append(loss.item())
             meta["step"] += 1
             done_here += 1
