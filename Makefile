@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
-	caat-latency lm-eval-parity zero-shot-spd latency cost-model launch-stress gpu-check gpu-check-dry vllm-latency clean
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -76,6 +76,13 @@ spd-sweep: $(STAMP)
 	$(BIN)/python benchmarks/spd_sweep.py --tp 3 --lr 1e-3 --variants hg-head-channel+b2b --last-epoch \
 		--fractions 0,0.5,1.0 --out results/spd_sweep_tp3_hg
 	$(BIN)/python benchmarks/bank_stats.py results/spd_sweep_tp3 results/spd_sweep_tp2 results/spd_sweep_tp3_hg
+
+# recovery beyond the paper (issue 16): zero-shot, HG+B2B and HG+B2B + end-to-end KL distillation at SPD 50/70/100%,
+# TP=3, WikiText-2 test (64 windows of 1024) with paired bootstrap intervals against dense; model directories in
+# runs/recovery/tp3, every stage resumable (results/recovery/tp3/{recovery.json,recovery.md,recovery.png,times.json})
+recovery: $(STAMP)
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7,1.0 --methods zs,hg+b2b,hg+b2b+e2e \
+		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 1e-4 --out results/recovery/tp3
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
