@@ -31,6 +31,7 @@ paired bootstrap interval over windows, the method's time), ``OUT/recovery.md`` 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -87,7 +88,15 @@ class Times:
 def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Path, chunk: int) -> list[float]:
     """Per-window mean NLL of ``spec`` under ``plan`` (simulated executor, fp32), resumable: the windows
     done so far live in ``path``."""
-    key = {"model": spec, "tp": tp, "plan": plan.to_dict()["blocks"], "windows": list(windows.shape)}
+    # a model directory: the digest of its blocks and plan (retrained -> re-evaluated; a rerun that only
+    # rewrites the manifest's provenance keeps the cache)
+    manifest = Path(spec) / "syncdrop.json"
+    digest = None
+    if manifest.is_file():
+        m = json.loads(manifest.read_text())
+        digest = hashlib.sha256(json.dumps([m.get("blocks"), m.get("plan")], sort_keys=True).encode()).hexdigest()
+    key = {"model": spec, "manifest_sha256": digest, "tp": tp, "plan": plan.to_dict()["blocks"],
+           "windows": list(windows.shape)}
     done: list[float] = []
     if path.exists():
         d = json.loads(path.read_text())
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-lr", type=float, default=None, help="B2B learning rate (default: the scanned 1e-3)")
     ap.add_argument("--e2e-samples", type=int, default=64, help="end-to-end training windows")
     ap.add_argument("--e2e-epochs", type=int, default=1)
-    ap.add_argument("--e2e-lr", type=float, default=1e-4)
+    ap.add_argument("--e2e-lr", type=float, default=3e-5)
     ap.add_argument("--e2e-adapter", default="full", choices=("full", "lora"))
     ap.add_argument("--heldout", type=int, default=4, help="held-out calibration windows (after the training ones)")
     ap.add_argument("--seq-len", type=int, default=1024, help="test window length")
@@ -202,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     test = load_text("wikitext2")
     tw = make_windows(tok(test.text, add_special_tokens=False)["input_ids"], args.seq_len, args.windows)
 
+    def e2e_name(block: str, f: float) -> str:
+        return f"{block}+e2e_f{f:g}_{args.e2e_adapter}_lr{args.e2e_lr:g}_n{args.e2e_samples}_ep{args.e2e_epochs}"
+
     def block_stage(block: str, f: float, plan: SyncPlan) -> Path:
         tier, method, banked = BLOCK_METHODS[block]
         d = work / (f"bank_{block}" if banked else f"{block}_f{f:g}")
@@ -213,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return d
 
     def e2e_stage(block: str, f: float, plan: SyncPlan, start: Path) -> Path:
-        d = work / f"{block}+e2e_f{f:g}"
         s = E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter)
+        d = work / e2e_name(block, f)
         if not (d / "syncdrop.json").exists():
             times.run(f"e2e:{d.name}", lambda: e2e_distill(str(start), args.tp, plan, cw[: args.e2e_samples], held,
                                                            d, s, calib_meta))
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             bank = block is not None and BLOCK_METHODS[block][2]
             secs = {k: v for k, v in times.d.items()
                     if block is not None and (k == f"distill:{'bank_' + block if bank else f'{block}_f{f:g}'}"
-                                              or (e2e and k == f"e2e:{block}+e2e_f{f:g}"))}
+                                              or (e2e and k == f"e2e:{e2e_name(block, f)}"))}
             rows.append({"fraction": f, "method": m, "dropped": plan.dropped, "ppl": math.exp(sum(nll) / len(nll)),
                          "ratio": ratio, "ratio_ci": list(ci) if ci else None, "windows": len(nll),
                          "stage_seconds": secs,

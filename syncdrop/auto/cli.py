@@ -33,7 +33,8 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                         "predicted from step times measured here fits; 0 = zero-shot only")
     p.add_argument("--e2e-samples", type=int, default=16, help="end-to-end distillation windows (default 16)")
     p.add_argument("--e2e-epochs", type=int, default=1, help="end-to-end distillation epochs (default 1)")
-    p.add_argument("--e2e-lr", type=float, default=1e-4, help="end-to-end distillation learning rate (default 1e-4)")
+    p.add_argument("--e2e-lr", type=float, default=3e-5,
+                   help="end-to-end distillation learning rate (default 3e-5, scanned: docs/spd.md)")
     p.add_argument("--tau1", default="0", help="zero-shot tier bound (default 0: see docs/spd.md)")
     p.add_argument("--tau2", default="1%", help="B2B tier bound (default 1%% of baseline ppl)")
     p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 test windows for perplexity")

@@ -182,7 +182,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
                         "block on the residual of the model converted so far; +e2e: then every dropped block end to "
                         "end, KL to the original model's next-token distribution (block stage in OUT/blockwise)")
     p.add_argument("--e2e-epochs", type=int, default=1, help="+e2e: passes over the training windows (default 1)")
-    p.add_argument("--e2e-lr", type=float, default=1e-4, help="+e2e: AdamW learning rate (default 1e-4)")
+    p.add_argument("--e2e-lr", type=float, default=3e-5,
+                   help="+e2e: AdamW learning rate (default 3e-5, the best of 1e-5/3e-5/1e-4 in docs/spd.md)")
     p.add_argument("--e2e-adapter", default="full", choices=("full", "lora"),
                    help="+e2e: train all weights of the dropped blocks (default) or LoRA factors, merged after")
     p.add_argument("--lora-rank", type=int, default=8, help="+e2e with lora: rank r (default 8; alpha = 2r)")

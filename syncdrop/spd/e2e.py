@@ -57,7 +57,7 @@ ADAPTERS = ("full", "lora")
 
 @dataclass(frozen=True)
 class E2ESettings:
-    lr: float = 1e-4
+    lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md, results/recovery/)
     epochs: int = 1
     adapter: str = "full"
     rank: int = 8
