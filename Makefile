@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
-	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery launch-stress gpu-check gpu-check-dry vllm-latency clean
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,7 +82,16 @@ spd-sweep: $(STAMP)
 # runs/recovery/tp3, every stage resumable (results/recovery/tp3/{recovery.json,recovery.md,recovery.png,times.json})
 recovery: $(STAMP)
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7,1.0 --methods zs,hg+b2b,hg+b2b+e2e \
-		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 1e-4 --out results/recovery/tp3
+		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3
+
+# the end-to-end learning-rate scan at SPD 50% (the bank and the dense evaluation of `make recovery` reused)
+recovery-lr-scan: $(STAMP)
+	for lr in 1e-5 3e-5 1e-4; do \
+		$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b,hg+b2b+e2e --windows 64 \
+			--block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr $$lr --work runs/recovery/tp3 \
+			--out results/recovery/tp3_e2e_scan/full_lr$$lr || exit 1; done
+	$(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
+		--scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \

@@ -1,0 +1,64 @@
+"""Summarise an end-to-end learning-rate scan of ``recovery_sweep.py`` runs: per e2e model directory
+(``--work``), the held-out KL curve and the epoch kept (from its manifest), and the perplexity ratio to
+dense with its interval where a sweep under ``--scan`` evaluated it.
+
+    python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \\
+        --scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--fraction", type=float, default=0.5)
+    ap.add_argument("--scan", nargs="+", required=True, help="result folders holding recovery.json files")
+    ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
+    args = ap.parse_args()
+    evaluated = {}
+    for root in args.scan:
+        for f in Path(root).rglob("recovery.json"):
+            d = json.loads(f.read_text())
+            s = d.get("settings", {})
+            for r in d.get("rows", []):
+                if r["method"].endswith("+e2e") and r["fraction"] == args.fraction:
+                    key = (s.get("e2e_adapter", "full"), float(s.get("e2e_lr", 0)))
+                    evaluated[key] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
+    rows = []
+    for man in sorted(Path(args.work).glob(f"*+e2e_f{args.fraction:g}_*/syncdrop.json")):
+        m = json.loads(man.read_text())
+        d = m["distill"]
+        st = d["e2e"]
+        row = {"dir": str(man.parent), "adapter": d["adapter"], "lr": d["lr"], "epochs": d["epochs"],
+               "train_windows": d["train_windows"], "heldout_curve": st["heldout_curve"],
+               "selected_epoch": st["selected_epoch"], "seconds": st["seconds"]}
+        row.update(evaluated.get((d["adapter"], float(d["lr"])), {}))
+        rows.append(row)
+    rows.sort(key=lambda r: (r["adapter"], r["lr"]))
+    lines = [f"End-to-end distillation scan at SPD {args.fraction:.0%} (held-out KL to the original model on the "
+             "held-out calibration windows; epoch 0 = the start, kept when no epoch improves on it).", "",
+             "| adapter | lr | epochs | held-out KL (start -> per epoch) | epoch kept | ppl vs dense | min |",
+             "|---|---:|---:|---|---:|---|---:|"]
+    for r in rows:
+        ci = r.get("ratio_ci")
+        ppl = "-" if "ratio" not in r else f"{(r['ratio'] - 1) * 100:+.2f}%" + (
+            f" [{(ci[0] - 1) * 100:+.2f}, {(ci[1] - 1) * 100:+.2f}]" if ci else "")
+        lines.append(f"| {r['adapter']} | {r['lr']:g} | {r['epochs']} | "
+                     + " -> ".join(f"{x:.4f}" for x in r["heldout_curve"])
+                     + f" | {r['selected_epoch']} | {ppl} | {r['seconds'] / 60:.1f} |")
+    atomic_write_json(args.out + ".json", {"command": sys.argv, "provenance": provenance(), "rows": rows})
+    atomic_write_text(args.out + ".md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
