@@ -83,6 +83,8 @@ spd-sweep: $(STAMP)
 recovery: $(STAMP)
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7,1.0 --methods zs,hg+b2b,hg+b2b+e2e \
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3
+	for f in 0.7 1; do $(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction $$f \
+		--scan results/recovery/tp3 --out results/recovery/tp3/e2e_f$$f || exit 1; done
 
 # the end-to-end learning-rate scan at SPD 50% (the bank and the dense evaluation of `make recovery` reused)
 recovery-lr-scan: $(STAMP)
