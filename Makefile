@@ -92,6 +92,9 @@ recovery-lr-scan: $(STAMP)
 		$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b,hg+b2b+e2e --windows 64 \
 			--block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr $$lr --work runs/recovery/tp3 \
 			--out results/recovery/tp3_e2e_scan/full_lr$$lr || exit 1; done
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b,hg+b2b+e2e --windows 64 \
+		--block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-epochs 2 --e2e-lr 3e-5 --work runs/recovery/tp3 \
+		--out results/recovery/tp3_e2e_scan/full_lr3e-5_ep2
 	$(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
 		--scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
 

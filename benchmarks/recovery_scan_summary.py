@@ -30,7 +30,7 @@ def main() -> int:
             s = d.get("settings", {})
             for r in d.get("rows", []):
                 if r["method"].endswith("+e2e") and r["fraction"] == args.fraction:
-                    key = (s.get("e2e_adapter", "full"), float(s.get("e2e_lr", 0)))
+                    key = (s.get("e2e_adapter", "full"), float(s.get("e2e_lr", 0)), int(s.get("e2e_epochs", 1)))
                     evaluated[key] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
     rows = []
     for man in sorted(Path(args.work).glob(f"*+e2e_f{args.fraction:g}_*/syncdrop.json")):
@@ -40,9 +40,9 @@ def main() -> int:
         row = {"dir": str(man.parent), "adapter": d["adapter"], "lr": d["lr"], "epochs": d["epochs"],
                "train_windows": d["train_windows"], "heldout_curve": st["heldout_curve"],
                "selected_epoch": st["selected_epoch"], "seconds": st["seconds"]}
-        row.update(evaluated.get((d["adapter"], float(d["lr"])), {}))
+        row.update(evaluated.get((d["adapter"], float(d["lr"]), int(d["epochs"])), {}))
         rows.append(row)
-    rows.sort(key=lambda r: (r["adapter"], r["lr"]))
+    rows.sort(key=lambda r: (r["adapter"], r["lr"], r["epochs"]))
     lines = [f"End-to-end distillation scan at SPD {args.fraction:.0%} (held-out KL to the original model on the "
              "held-out calibration windows; epoch 0 = the start, kept when no epoch improves on it).", "",
              "| adapter | lr | epochs | held-out KL (start -> per epoch) | epoch kept | ppl vs dense | min |",
