@@ -25,7 +25,7 @@ from pathlib import Path
 from syncdrop.caat.data import load_corpus, train_tokenizer
 from syncdrop.caat.train import TrainSettings, train
 from syncdrop.eval.data import data_dir
-from syncdrop.io_utils import atomic_write_bytes, atomic_write_json, atomic_write_text, provenance
+from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
 
 VARIANTS = {  # name -> (p, scale, mask)
     "p=1": (1.0, True, "fixed"), "p=0.75": (0.75, True, "fixed"), "p=0.5": (0.5, True, "fixed"),
@@ -118,7 +118,6 @@ def _write(args: argparse.Namespace, runs: dict[str, dict]) -> list[str]:
 
 
 def _plot(rows: dict, path: str) -> None:
-    import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -133,9 +132,7 @@ def _plot(rows: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import torch
 from syncdrop.bench.stats import bootstrap_ci
 from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, window_nll
-from syncdrop.io_utils import atomic_write_bytes, atomic_write_json, atomic_write_text, provenance
+from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
 from syncdrop.plan import SyncPlan
 from syncdrop.runtime import choose_runtime
@@ -130,7 +130,6 @@ def ratio_ci(nll: list[float], base: list[float]) -> tuple[float, tuple[float, f
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -151,9 +150,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, perplexity
-from syncdrop.io_utils import atomic_write_bytes, atomic_write_json, atomic_write_text, provenance
+from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
 from syncdrop.parallel.executor import TPModel, simulated_model
 from syncdrop.parallel.sharding import distilled_layouts
@@ -65,7 +65,6 @@ def _compose(orig: TPModel, bank: TPModel | None, dropped: list[int], L: int) ->
 
 
 def plot(rows: list[dict], variants: list[str], title: str, path: Path) -> None:
-    import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -84,9 +83,7 @@ def plot(rows: list[dict], variants: list[str], title: str, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,15 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def atomic_write_png(path: str | Path, fig, dpi: int = 120) -> None:
+    """A matplotlib figure as a PNG at ``path``, written atomically (:func:`atomic_write_bytes`)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 

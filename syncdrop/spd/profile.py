@@ -205,12 +205,10 @@ class _Recording:
 
 def plot_profile(d: dict[str, Any], path: str | Path) -> None:
     """Bar chart of both sensitivities per block (from a profile dict) as a PNG, written atomically."""
-    import io
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from syncdrop.io_utils import atomic_write_bytes
+    from syncdrop.io_utils import atomic_write_png
 
     idx = [b["index"] for b in d["blocks"]]
     fig = Figure(figsize=(max(6.0, 0.32 * len(idx) + 2), 4.0))
@@ -237,6 +235,4 @@ def plot_profile(d: dict[str, Any], path: str | Path) -> None:
                  f"({calib.get('dataset')}, {calib.get('windows')} x {calib.get('seq_len')} tokens)", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_png(path, fig)
