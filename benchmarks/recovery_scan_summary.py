@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def main() -> int:
                     evaluated[key] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
     rows = []
     for man in sorted(Path(args.work).glob(f"*+e2e_f{args.fraction:g}_*/syncdrop.json")):
+        if re.search(r"_b[0-9a-f]{8}$", man.parent.name):  # another drop order (recovery_sweep.py --profile)
+            continue
         m = json.loads(man.read_text())
         d = m["distill"]
         st = d["e2e"]

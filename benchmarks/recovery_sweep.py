@@ -159,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--fractions", default="0.25,0.5,0.7,1.0")
     ap.add_argument("--methods", default="zs,b2b,hg+b2b,hg+seq,hg+b2b+e2e")
-    ap.add_argument("--profile", default=None, help="drop order (default results/spd_sweep_tp{tp}/profile.json)")
+    ap.add_argument("--profile", default=None,
+                    help="drop order (default results/spd_sweep_tp{tp}/profile.json, the zero-shot one); a recovered "
+                         "profile (`syncdrop profile --model BANK`) drops the blocks that recover best")
+    ap.add_argument("--sensitivity", default="progressive", choices=("progressive", "isolated"),
+                    help="which of the profile's sensitivities orders the blocks (default progressive)")
     ap.add_argument("--calib", default="wikitext2:valid")
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--block-samples", type=int, default=16, help="B2B training windows")
@@ -193,7 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     prof_calib = profile.data.get("calib", {})
     if "valid" not in str(prof_calib.get("dataset", "")):
         raise SystemExit(f"--profile: calibrated on {prof_calib}, not on a validation split (it must not see test)")
-    order = drop_order(profile.sensitivity("progressive"))
+    order = drop_order(profile.sensitivity(args.sensitivity))
+    default_order = order
+    if args.profile is not None or args.sensitivity != "progressive":
+        default_order = drop_order(load_profile(f"results/spd_sweep_tp{args.tp}/profile.json", L)
+                                   .sensitivity("progressive"))
+
+    def tag(plan: SyncPlan) -> str:
+        """Model directory suffix of a plan that is not the default order's at its fraction (so that
+        directories trained for different blocks never share a name)."""
+        if sorted(default_order[: len(plan.dropped)]) == plan.dropped:
+            return ""
+        return "_b" + hashlib.sha256(json.dumps(plan.dropped).encode()).hexdigest()[:8]
     times = Times(out / "times.json")
 
     calib = load_text(args.calib)
@@ -208,12 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     test = load_text("wikitext2")
     tw = make_windows(tok(test.text, add_special_tokens=False)["input_ids"], args.seq_len, args.windows)
 
-    def e2e_name(block: str, f: float) -> str:
-        return f"{block}+e2e_f{f:g}_{args.e2e_adapter}_lr{args.e2e_lr:g}_n{args.e2e_samples}_ep{args.e2e_epochs}"
+    def e2e_name(block: str, f: float, plan: SyncPlan) -> str:
+        return (f"{block}+e2e_f{f:g}_{args.e2e_adapter}_lr{args.e2e_lr:g}_n{args.e2e_samples}_ep{args.e2e_epochs}"
+                + tag(plan))
+
+    def block_name(block: str, f: float, plan: SyncPlan) -> str:
+        return f"bank_{block}" if BLOCK_METHODS[block][2] else f"{block}_f{f:g}{tag(plan)}"
 
     def block_stage(block: str, f: float, plan: SyncPlan) -> Path:
         tier, method, banked = BLOCK_METHODS[block]
-        d = work / (f"bank_{block}" if banked else f"{block}_f{f:g}")
+        d = work / block_name(block, f, plan)
         key = f"distill:{d.name}"
         s = DistillSettings(lr, args.block_epochs, 1, 0.0, 0, method=method)
         the_plan = SyncPlan.uniform(L, "drop") if banked else plan
@@ -223,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def e2e_stage(block: str, f: float, plan: SyncPlan, start: Path) -> Path:
         s = E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter)
-        d = work / e2e_name(block, f)
+        d = work / e2e_name(block, f, plan)
         if not (d / "syncdrop.json").exists():
             times.run(f"e2e:{d.name}", lambda: e2e_distill(str(start), args.tp, plan, cw[: args.e2e_samples], held,
                                                            d, s, calib_meta))
@@ -246,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio, ci = ratio_ci(nll, base_nll)
             bank = block is not None and BLOCK_METHODS[block][2]
             secs = {k: v for k, v in times.d.items()
-                    if block is not None and (k == f"distill:{'bank_' + block if bank else f'{block}_f{f:g}'}"
-                                              or (e2e and k == f"e2e:{e2e_name(block, f)}"))}
+                    if block is not None and (k == f"distill:{block_name(block, f, plan)}"
+                                              or (e2e and k == f"e2e:{e2e_name(block, f, plan)}"))}
             rows.append({"fraction": f, "method": m, "dropped": plan.dropped, "ppl": math.exp(sum(nll) / len(nll)),
                          "ratio": ratio, "ratio_ci": list(ci) if ci else None, "windows": len(nll),
                          "stage_seconds": secs,

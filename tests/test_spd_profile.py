@@ -175,7 +175,7 @@ def test_profile_cli_errors(tiny_llama_dir, tmp_path) -> None:
             "--out", str(tmp_path / "p.json"), "-q", "--no-png"]
     with pytest.raises(SyncdropError, match="--tp must be at least 2"):
         _run([*base, "--tp", "1"])
-    too_few = r"\(for --samples 1000\) has only \d+ windows of 16 tokens; 1000 are needed"
+    too_few = r"\(for --skip 0 --samples 1000\) has only \d+ windows of 16 tokens; 1000 are needed"
     with pytest.raises(SyncdropError, match=too_few):
         _run([*base, "--tp", "2", "--samples", "1000"])
     with pytest.raises(SyncdropError, match="not found"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from syncdrop.cli_args import add_device_args
 from syncdrop.errors import SyncdropError
+from syncdrop.plan import SyncPlan
 
 # --method of `syncdrop distill`: the block stage, then optionally end-to-end KL distillation
 METHODS = ("b2b", "sequential", "b2b+e2e", "sequential+e2e")
@@ -26,15 +27,21 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
         "profile", help="per-block SPD sensitivity (perplexity deltas on calibration data)",
         description="Per-block sensitivity to dropping the attention sync (SPD): progressive "
                     "s_i = ppl(SPD on i..L-1) - ppl(SPD on i+1..L-1) and isolated s_i = ppl(SPD on i) - ppl(none), "
-                    "on the first --samples windows of --seq-len tokens of --calib. Runs all --tp ranks in this "
-                    "process (the simulated executor).")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default) | PATH.gguf | transformers directory | hub id")
+                    "on --samples windows of --seq-len tokens of --calib (after the first --skip). Runs all --tp "
+                    "ranks in this process (the simulated executor). With a `syncdrop distill` directory as --model "
+                    "(a bank: `distill --plan all`), the recovered sensitivity: a dropped block runs its distilled "
+                    "weights, so the plan drops the blocks that recover best.")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default) | PATH.gguf | transformers directory | hub id | a `syncdrop distill` "
+                        "directory (recovered sensitivity)")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree N (>= 2: at N=1 SPD changes nothing)")
     p.add_argument("--calib", default="auto:valid",
                    help="calibration text: auto:valid (default: WikiText-2 valid, else the Shakespeare comedies) | "
                         "wikitext2:valid | wikitext2 | shakespeare | shakespeare:valid | PATH")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
     p.add_argument("--samples", type=int, default=8, help="calibration windows K: the first K (default 8)")
+    p.add_argument("--skip", type=int, default=0,
+                   help="calibration windows skipped before the K (default 0; e.g. the windows a bank was trained on)")
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -52,28 +59,36 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from syncdrop.eval.data import load_text
     from syncdrop.eval.perplexity import text_windows
     from syncdrop.io_utils import atomic_write_json
-    from syncdrop.models.loading import resolve_model
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
 
     if args.tp < 2:
         raise SyncdropError(f"--tp must be at least 2 (at --tp {args.tp} dropping the attention sync changes nothing)")
     if args.samples < 1:
         raise SyncdropError(f"--samples must be at least 1, got {args.samples}")
+    if args.skip < 0:
+        raise SyncdropError(f"--skip must be at least 0, got {args.skip}")
     if args.seq_len < 2:
         raise SyncdropError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.batch_size < 1:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
     data = load_text(args.calib, args.data_dir)  # fail fast before loading the model
-    spd = resolve_model(args.model).spd
-    if spd is not None:
-        raise SyncdropError(f"--model {args.model} is a `syncdrop distill` directory; profile measures the zero-shot "
-                            f"sensitivity of a base model: pass its base model, {spd.base_model}")
     built = runtime_from_args(args, executor="simulated").build(args.model, args.tp, "none", progress=not args.quiet)
-    windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, args.samples,
-                           f"--calib {args.calib} (for --samples {args.samples})")
-    prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet)
-    d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path},
-                     model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size)
+    spd = built.source.spd
+    donor = None
+    if spd is not None:  # recovered sensitivity: the distilled blocks, built once, lent to the base model
+        L = built.source.config.num_layers
+        base = built.model
+        donor = built.use_plan(SyncPlan.dropping(L, sorted(spd.blocks)), progress=not args.quiet)
+        built.use_plan(SyncPlan.uniform(L))
+        assert built.model is base
+    n = args.skip + args.samples
+    windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, n,
+                           f"--calib {args.calib} (for --skip {args.skip} --samples {args.samples})")[args.skip :]
+    prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet, donor=donor)
+    extra = {"recovered": {"bank": spd.path, "blocks": sorted(spd.blocks), "method": spd.data.get("distill", {})}
+             } if spd is not None else {}
+    d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path, "skip": args.skip},
+                     model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size, **extra)
     atomic_write_json(args.out, d)
     png = None if args.no_png else (args.png or str(Path(args.out).with_suffix(".png")))
     if png:

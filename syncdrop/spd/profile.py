@@ -23,6 +23,15 @@ against ``W * L * (2L + 1)`` when each of the 2L + 1 perplexities is computed fr
 half. The cache holds ``W * S * h * L`` activations in the model dtype: SmolLM2-135M, 8 windows of
 512 tokens, fp32: 8 * 512 * 576 * 4 B * 30 blocks = 283 MB.
 
+Recovered sensitivity (``donor``). The same two definitions after recovery: a dropped block runs the
+weights (and head layout) of ``donor``, a model built from a ``syncdrop distill`` bank with every
+block distilled, instead of the base model's; a block that is not dropped runs the base model's.
+Because B2B trains each block on the original residual, block ``i``'s distilled weights do not
+depend on which other blocks are dropped, so these are the perplexities of the plans
+``syncdrop distill --bank`` would give. Ordering blocks by them drops the blocks that *recover*
+best, where the zero-shot order drops those that hurt least before recovery: on SmolLM2 some
+blocks that are harmful zero-shot become nearly free after HG+B2B and the reverse (docs/spd.md).
+
 Profiling needs all N ranks in one process (the simulated executor); it is an accuracy tool.
 """
 
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,14 +128,36 @@ class _StartedAt:
         return self.model.logits(hidden)
 
 
+@contextmanager
+def _blocks_from(model: TPModel, donor: TPModel | None, blocks: frozenset[int]) -> Iterator[None]:
+    """``model`` runs ``donor``'s weights and per-block geometry for ``blocks`` inside the ``with``
+    (nothing when ``donor`` is None); its own are put back afterwards."""
+    if donor is None or not blocks:
+        yield
+        return
+    saved = {i: (model.blocks[i], model.geos[i], model.layouts[i]) for i in blocks}
+    try:
+        for i in blocks:
+            model.blocks[i], model.geos[i], model.layouts[i] = donor.blocks[i], donor.geos[i], donor.layouts[i]
+        yield
+    finally:
+        for i, (b, g, lay) in saved.items():
+            model.blocks[i], model.geos[i], model.layouts[i] = b, g, lay
+
+
 def profile_sensitivity(
     model: TPModel, windows: torch.Tensor, batch_size: int = 1, variant: str = "drop", progress: bool = True,
+    donor: TPModel | None = None,
 ) -> Profile:
     """Progressive and isolated sensitivity of every block of ``model`` on ``windows`` ``(W, S)``.
 
-    ``variant``: the attention mode of a dropped block (``drop`` = the SPD block). The model's plan
-    is restored afterwards.
+    ``variant``: the attention mode of a dropped block (``drop`` = the SPD block). ``donor``: the
+    recovered sensitivity (module docstring): a dropped block runs ``donor``'s block (same config,
+    TP degree and local ranks as ``model``). The model's plan and blocks are restored afterwards.
     """
+    if donor is not None and (donor.cfg != model.cfg or donor.layout.tp != model.layout.tp
+                              or donor.geo.ranks != model.geo.ranks):
+        raise SyncdropError("the donor model of a recovered profile must have the model's config, TP degree and ranks")
     from tqdm import tqdm
 
     if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
@@ -167,10 +200,11 @@ def profile_sensitivity(
             for dropped, start in evals.items():
                 model.plan = SyncPlan.dropping(L, dropped, variant)
                 total = 0.0
-                for ids, rec in zip(batches, cache, strict=True):
-                    total += window_nll(_StartedAt(model, rec[start], start), ids).sum().item()
-                    done += ids.shape[0] * (L - start)
-                    bar.update(ids.shape[0] * (L - start))
+                with _blocks_from(model, donor, dropped):
+                    for ids, rec in zip(batches, cache, strict=True):
+                        total += window_nll(_StartedAt(model, rec[start], start), ids).sum().item()
+                        done += ids.shape[0] * (L - start)
+                        bar.update(ids.shape[0] * (L - start))
                 nll[dropped] = total
         cache_bytes = sum(t.numel() * t.element_size() for rec in cache for t in rec)
     finally:
