@@ -14,7 +14,10 @@ dropped at SPD fraction ``F``):
   original model's next-token distribution (:mod:`syncdrop.spd.e2e`), starting from the block stage.
 
 Calibration never overlaps evaluation: training and held-out windows come from WikiText-2 *valid*
-(``--calib``), the profile too; evaluation is WikiText-2 *test*.
+(``--calib``), the profile too, plus Gutenberg books for e2e (``--e2e-gutenberg``); evaluation is
+WikiText-2 *test*. Model directories are named by their settings (block stage: samples, epochs and
+window length where they differ from the first runs' 8 x 512 x 10; e2e: adapter, lr, samples, epochs,
+Gutenberg windows, window length; a plan off the default zero-shot order: a digest of its blocks).
 
 Every stage is resumable and cached under ``--work`` (model directories: large, not committed) and
 ``--out`` (results): a distillation reruns from its own state files, an evaluation appends its
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 from syncdrop.bench.stats import bootstrap_ci
-from syncdrop.eval.data import load_text
+from syncdrop.eval.data import load_text, resolve_corpus
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
@@ -57,6 +60,19 @@ log = logging.getLogger("recovery_sweep")
 BLOCK_METHODS = {  # name -> (tier, DistillSettings.method, one bank for all fractions)
     "b2b": ("b2b", "b2b", True), "hg+b2b": ("hg+b2b", "b2b", True), "hg+seq": ("hg+b2b", "sequential", False),
 }
+
+
+def gutenberg_windows(tok, seq_len: int, n: int) -> torch.Tensor:
+    """``n`` windows of ``seq_len`` tokens from the data folder's Gutenberg books ``(n, seq_len)``: round robin
+    over the books (sorted by path), window ``k`` of a book being its tokens ``k*seq_len..``, from ``k = 1`` (the
+    first holds the licence header or title page)."""
+    books = sorted(resolve_corpus("gutenberg").rglob("*.txt"))
+    per_book = [make_windows(tok(b.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+                             ["input_ids"], seq_len, n // len(books) + 2)[1:] for b in books]
+    out = [w[k] for k in range(max(len(w) for w in per_book)) for w in per_book if k < len(w)][:n]
+    if len(out) < n:
+        raise SystemExit(f"--e2e-gutenberg {n}: the books hold only {len(out)} windows of {seq_len} tokens")
+    return torch.stack(out)
 
 
 def parse_method(name: str) -> tuple[str | None, bool]:
@@ -173,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-epochs", type=int, default=1)
     ap.add_argument("--e2e-lr", type=float, default=3e-5)
     ap.add_argument("--e2e-adapter", default="full", choices=("full", "lora"))
+    ap.add_argument("--e2e-seq-len", type=int, default=None,
+                    help="e2e training and held-out window length (default --calib-seq-len): WikiText-2 valid "
+                         "windows of this length, the held-out ones after the training ones")
+    ap.add_argument("--e2e-gutenberg", type=int, default=0,
+                    help="further e2e training windows from the data folder's Gutenberg books (default 0): round "
+                         "robin over the books sorted by path, each book's first window (its header) skipped")
     ap.add_argument("--heldout", type=int, default=4, help="held-out calibration windows (after the training ones)")
     ap.add_argument("--seq-len", type=int, default=1024, help="test window length")
     ap.add_argument("--windows", type=int, default=64, help="test windows (WikiText-2 test has 304 of 1024)")
@@ -223,12 +245,30 @@ def main(argv: list[str] | None = None) -> int:
     test = load_text("wikitext2")
     tw = make_windows(tok(test.text, add_special_tokens=False)["input_ids"], args.seq_len, args.windows)
 
+    e2e_len = args.e2e_seq_len or args.calib_seq_len
+    e2e_meta = {**calib_meta, "seq_len": e2e_len}
+    e2e_train, e2e_held = cw[: args.e2e_samples], held
+    if e2e_len != args.calib_seq_len:
+        ew = make_windows(tok(calib.text, add_special_tokens=False)["input_ids"], e2e_len,
+                          args.e2e_samples + args.heldout)
+        if ew.shape[0] < args.e2e_samples + args.heldout:
+            raise SystemExit(f"--e2e-seq-len {e2e_len}: {args.calib} has only {ew.shape[0]} windows")
+        e2e_train, e2e_held = ew[: args.e2e_samples], ew[args.e2e_samples :]
+    if args.e2e_gutenberg:
+        e2e_train = torch.cat([e2e_train, gutenberg_windows(tok, e2e_len, args.e2e_gutenberg)])
+        e2e_meta["e2e_gutenberg_windows"] = args.e2e_gutenberg
+
     def e2e_name(block: str, f: float, plan: SyncPlan) -> str:
         return (f"{block}+e2e_f{f:g}_{args.e2e_adapter}_lr{args.e2e_lr:g}_n{args.e2e_samples}_ep{args.e2e_epochs}"
-                + tag(plan))
+                + (f"_g{args.e2e_gutenberg}" if args.e2e_gutenberg else "")
+                + (f"_es{e2e_len}" if e2e_len != args.calib_seq_len else "") + block_cfg + tag(plan))
+
+    # the block stage's settings in its directory name (the first runs' 8 x 512 x 10 epochs keep the short one)
+    block_cfg = ("" if (args.block_samples, args.block_epochs, args.calib_seq_len) == (8, 10, 512)
+                 else f"_n{args.block_samples}_ep{args.block_epochs}_s{args.calib_seq_len}")
 
     def block_name(block: str, f: float, plan: SyncPlan) -> str:
-        return f"bank_{block}" if BLOCK_METHODS[block][2] else f"{block}_f{f:g}{tag(plan)}"
+        return f"bank_{block}{block_cfg}" if BLOCK_METHODS[block][2] else f"{block}_f{f:g}{block_cfg}{tag(plan)}"
 
     def block_stage(block: str, f: float, plan: SyncPlan) -> Path:
         tier, method, banked = BLOCK_METHODS[block]
@@ -244,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         s = E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter)
         d = work / e2e_name(block, f, plan)
         if not (d / "syncdrop.json").exists():
-            times.run(f"e2e:{d.name}", lambda: e2e_distill(str(start), args.tp, plan, cw[: args.e2e_samples], held,
-                                                           d, s, calib_meta))
+            times.run(f"e2e:{d.name}", lambda: e2e_distill(str(start), args.tp, plan, e2e_train, e2e_held, d, s,
+                                                           e2e_meta))
         return d
 
     base_nll = evaluate(args.model, args.tp, SyncPlan.uniform(L), tw, out / "nll" / "dense.json", args.chunk)
@@ -282,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{source.name} TP={args.tp}: WikiText-2 test perplexity, {tw.shape[0]} windows of {args.seq_len} "
              f"(dense {dense:.3f}); ratio to dense with its 95% paired bootstrap interval over windows. "
              f"Calibration: {calib.name}, B2B {args.block_samples} x {args.calib_seq_len} tokens x {args.block_epochs} "
-             f"epochs (lr {lr:g}), e2e {args.e2e_samples} windows x {args.e2e_epochs} epoch(s) (lr {args.e2e_lr:g}, "
-             f"{args.e2e_adapter}).", "",
+             f"epochs (lr {lr:g}), e2e {args.e2e_samples} x {e2e_len} tokens"
+             + (f" + {args.e2e_gutenberg} Gutenberg windows" if args.e2e_gutenberg else "")
+             + f" x {args.e2e_epochs} epoch(s) (lr {args.e2e_lr:g}, {args.e2e_adapter}).", "",
              "| SPD | blocks | method | ppl | vs dense | 95% interval | stage time |",
              "|---:|---:|---|---:|---:|---|---|"]
     for r in rows:

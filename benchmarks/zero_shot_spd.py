@@ -25,6 +25,7 @@ stderr, n; averages; paired differences against dense with their standard error)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -49,39 +50,58 @@ PAPER = ("SPD paper (papers.md §6): LLaMA2-70B on 8 GPUs, 70% SPD, all zero-sho
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "lambada_openai", "piqa", "sciq", "winogrande")
 
 
-def _eval_config(spec: str, tp: int, plan: str | None, tasks: list[str], limit: int, mmlu_limit: int,
-                 data_root: Any, batch_size: int) -> dict[str, Any]:
-    """lm-eval metrics and per-document accuracy of one configuration."""
-    from syncdrop.eval.harness import SyncdropLM
-    from syncdrop.runtime import build
-
-    built = build(spec, tp, plan, executor="simulated", progress=False)
-    lm = SyncdropLM(built=built, batch_size=batch_size, progress=True)
-    out: dict[str, Any] = {"plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "tasks": {}}
-    groups = [(t, limit) for t in tasks if t != "mmlu"]
-    if "mmlu" in tasks:
-        groups.append(("mmlu", mmlu_limit))
-    for names, lim in ((g[0], g[1]) for g in groups):
-        raw = evaluate(lm, [names], data_root, lim, bootstrap_iters=100, quiet=True, log_samples=True)
-        assert raw is not None  # one process: always the main one
-        for section in ("results", "groups"):
-            for task, metrics in raw.get(section, {}).items():
-                if task.startswith("mmlu_") and task != names:
-                    continue  # subjects and categories: only the mmlu group is reported
-                out["tasks"][task] = {**clean_metrics(metrics), "limit": lim}
-        docs: dict[str, float] = {}
-        for task, samples in raw["samples"].items():
-            for smp in samples:
-                docs[f"{task}/{smp['doc_id']}"] = float(smp["acc"])
-        out["tasks"][names]["doc_acc"] = docs
-        out["tasks"][names]["n"] = len(docs)
-        log.info("%s %s: acc %.4f (n=%d)", spec, names, out["tasks"][names]["acc"], len(docs))
-    out["forwards"] = lm.forwards
+def _eval_task(lm: Any, task: str, limit: int, data_root: Any) -> dict[str, Any]:
+    """lm-eval metrics and per-document accuracy of one task (``mmlu``: the group, ``limit`` per subject)."""
+    raw = evaluate(lm, [task], data_root, limit, bootstrap_iters=100, quiet=True, log_samples=True)
+    assert raw is not None  # one process: always the main one
+    out: dict[str, Any] = {}
+    for section in ("results", "groups"):
+        for name, metrics in raw.get(section, {}).items():
+            if name == task or (section == "results" and not name.startswith("mmlu_")):
+                out = {**clean_metrics(metrics), "limit": limit}
+    docs = {f"{name}/{smp['doc_id']}": float(smp["acc"]) for name, samples in raw["samples"].items()
+            for smp in samples}
+    out.update(doc_acc=docs, n=len(docs))
     return out
 
 
+def _eval_config(name: str, spec: str, tp: int, plan: str | None, tasks: list[str], limit: int, mmlu_limit: int,
+                 data_root: Any, batch_size: int, out: Path, key: dict[str, Any]) -> dict[str, Any]:
+    """One configuration, resumable per task: ``out/runs/<name>/<task>.json`` holds each finished task
+    (reused when its key matches); the model is built only when a task is missing."""
+    import time
+
+    from syncdrop.eval.harness import SyncdropLM
+    from syncdrop.runtime import build
+
+    res: dict[str, Any] = {"tasks": {}, "seconds": {}}
+    lm = None
+    for task in tasks:
+        lim = mmlu_limit if task == "mmlu" else limit
+        path = out / "runs" / name / f"{task}.json"
+        tkey = {**key, "task": task, "limit": lim}
+        if path.exists() and (d := json.loads(path.read_text())).get("key") == tkey:
+            res["tasks"][task], res["seconds"][task] = d["metrics"], d["seconds"]
+            res.update(plan=d["plan"], plan_summary=d["plan_summary"])
+            continue
+        if lm is None:
+            built = build(spec, tp, plan, executor="simulated", progress=False)
+            lm = SyncdropLM(built=built, batch_size=batch_size, progress=True)
+            res.update(plan=built.plan.to_dict(), plan_summary=built.plan.summary())
+        log.info("evaluating %s on %s (limit %d)", name, task, lim)
+        t0 = time.perf_counter()
+        m = _eval_task(lm, task, lim, data_root)
+        secs = time.perf_counter() - t0
+        log.info("%s %s: acc %.4f (n=%d, %.0f s)", name, task, m["acc"], m["n"], secs)
+        atomic_write_json(path, {"key": tkey, "metrics": m, "seconds": secs, "plan": res["plan"],
+                                 "plan_summary": res["plan_summary"], "provenance": provenance()})
+        res["tasks"][task], res["seconds"][task] = m, secs
+    return res
+
+
 def _paired(dense: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
-    """Mean per-document accuracy difference (other - dense) and its standard error."""
+    """Mean per-document accuracy difference (other - dense) and its standard error (the 95% interval
+    is the mean +- 1.96 standard errors: a normal approximation, good at hundreds of documents)."""
     keys = sorted(dense)
     d = [other[k] - dense[k] for k in keys]
     m = sum(d) / len(d)
@@ -94,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--profile", default="results/spd_sweep_tp3/profile.json")
-    ap.add_argument("--fractions", default="0.5,0.7,1.0")
+    ap.add_argument("--fractions", default="0.5,0.7,1.0",
+                    help="SPD fractions evaluated zero-shot and with the HG+B2B bank (empty: none)")
+    ap.add_argument("--model-dirs", default="",
+                    help="further configurations NAME=DIR,...: `syncdrop distill` directories run under their own "
+                         "plan (e.g. the best recovery at 50%% and 70%%); NAME labels the row")
     ap.add_argument("--tasks", default=",".join((*SIMPLE_TASKS, "mmlu")))
     ap.add_argument("--limit", type=int, default=100, help="first K documents of each task (default 100)")
     ap.add_argument("--mmlu-limit", type=int, default=5, help="first K questions of each MMLU subject (default 5)")
@@ -110,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     tasks = parse_tasks(args.tasks)
     data_root = check_data(tasks, None)
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    extra: dict[str, str] = {}
+    for item in filter(None, args.model_dirs.split(",")):
+        name, sep, d = item.partition("=")
+        if not sep or not name or not (Path(d) / "syncdrop.json").is_file():
+            raise SystemExit(f"--model-dirs: expected NAME=DIR with DIR a `syncdrop distill` directory, got {item!r}")
+        extra[name] = d
     source = resolve_model(args.model)
     cfg = source.config
     L = cfg.num_layers
@@ -122,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     cw = text_windows(source.load_tokenizer(), calib.text, args.seq_len, args.calib_samples + args.calib_heldout,
                       "wikitext2:valid")
     bank = out / "bank"
-    distill(source, args.tp, SyncPlan.uniform(L, "drop"), dict.fromkeys(range(L), "hg+b2b"),
-            cw[: args.calib_samples], cw[args.calib_samples:], bank,
-            DistillSettings(args.lr, args.epochs, 1, 0.0, 0, "group", "shard", keep_best=True),
-            {"dataset": calib.name, "path": calib.path, "seq_len": args.seq_len})
+    if fractions:
+        distill(source, args.tp, SyncPlan.uniform(L, "drop"), dict.fromkeys(range(L), "hg+b2b"),
+                cw[: args.calib_samples], cw[args.calib_samples:], bank,
+                DistillSettings(args.lr, args.epochs, 1, 0.0, 0, "group", "shard", keep_best=True),
+                {"dataset": calib.name, "path": calib.path, "seq_len": args.seq_len})
 
     configs: dict[str, tuple[str, str | None, float, str]] = {"dense": (args.model, "none", 0.0, "dense")}
     for f in fractions:
@@ -136,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         write_subset(out / "models" / tag, bank, plan, base_spec(args.model), args.tp)
         configs[f"{tag}_zs"] = (args.model, str(plan_path), f, "zero-shot")
         configs[f"{tag}_hg+b2b"] = (str(out / "models" / tag), None, f, "hg+b2b")
+    for name, d in extra.items():
+        configs[name] = (d, None, len(resolve_model(d).spd.plan.dropped) / L, name)
 
     settings = {"model": source.name, "tp": args.tp, "tasks": tasks, "limit": args.limit,
                 "mmlu_limit": args.mmlu_limit, "num_fewshot": 0, "executor": "simulated", "dtype": "float32",
@@ -143,17 +176,19 @@ def main(argv: list[str] | None = None) -> int:
                 "distill": {"tier": "hg+b2b", "hg_unit": "group", "hg_mlp": "shard", "keep_best": True,
                             "lr": args.lr, "epochs": args.epochs, "calib_windows": args.calib_samples,
                             "heldout_windows": args.calib_heldout, "seq_len": args.seq_len}}
+    settings["model_dirs"] = extra
     runs: dict[str, dict[str, Any]] = {}
     for name, (spec, plan_arg, f, variant) in configs.items():
-        path = out / "runs" / f"{name}.json"
-        key = {**settings, "config": name, "plan_arg": plan_arg}
-        if path.exists() and (d := json.loads(path.read_text())).get("key") == key:
-            runs[name] = d
-            continue
-        log.info("evaluating %s", name)
-        r = _eval_config(spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root, args.batch_size)
-        runs[name] = {"key": key, "fraction": f, "variant": variant, **r, "provenance": provenance()}
-        atomic_write_json(path, runs[name])
+        # what this configuration's numbers depend on (dense: not the drop order or the bank's settings)
+        key = {k: settings[k] for k in ("model", "tp", "num_fewshot", "executor", "dtype", "batch_size")}
+        key.update(config=name, spec=spec, plan_arg=plan_arg)
+        if name in extra:
+            key["manifest_sha256"] = hashlib.sha256((Path(spec) / "syncdrop.json").read_bytes()).hexdigest()
+        elif name != "dense":
+            key.update(drop_order=order, distill=settings["distill"])
+        r = _eval_config(name, spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root,
+                         args.batch_size, out, key)
+        runs[name] = {"fraction": f, "variant": variant, "spec": spec, **r}
     summary = _summarise(runs, tasks)
     atomic_write_json(out / "zero_shot.json", {"settings": settings, "provenance": provenance(), "paper": PAPER,
                                                "summary": summary,
@@ -203,14 +238,16 @@ def _markdown(summary: dict[str, Any], tasks: list[str], settings: dict[str, Any
     lines = [f"Zero-shot accuracy (`acc`), {settings['model']} TP={settings['tp']} simulated, lm-eval 0-shot on the "
              f"local tasks: first {settings['limit']} documents per task, MMLU first {settings['mmlu_limit']} per "
              f"subject ({n.get('mmlu', 0)} questions). Δ avg: mean paired per-document difference from dense, "
-             "averaged over tasks, ± its standard error. *paper avg*: the paper's six benchmarks (ARC-e and ARC-c, "
+             "averaged over tasks, with its 95% interval (± 1.96 standard errors). "
+             "*paper avg*: the paper's six benchmarks (ARC-e and ARC-c, "
              "HellaSwag, LAMBADA, PIQA, SciQ, WinoGrande; no MMLU), with its change relative to dense.", "",
              "| config | " + " | ".join(short.get(t, t) for t in tasks) + " | avg | Δ avg vs dense | paper avg | "
              "Δ paper avg (relative) |",
              "|---|" + "---:|" * (len(tasks) + 4)]
     for name, r in summary.items():
         cells = " | ".join(f"{r['acc'][t]:.3f}" for t in tasks)
-        delta = "" if name == "dense" else f"{r['avg_delta_vs_dense']:+.3f} ± {r['avg_delta_stderr']:.3f}"
+        d, se = r["avg_delta_vs_dense"], r["avg_delta_stderr"]
+        delta = "" if name == "dense" else f"{d:+.3f} [{d - 1.96 * se:+.3f}, {d + 1.96 * se:+.3f}]"
         pdelta = "" if name == "dense" else (f"{r['paper_avg_delta_vs_dense']:+.3f} ± {r['paper_avg_delta_stderr']:.3f}"
                                              f" ({r['paper_avg_relative_change']:+.1%})")
         label = "dense" if name == "dense" else f"SPD {r['fraction']:.0%} {r['variant']}"
