@@ -9,7 +9,8 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
-	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan launch-stress gpu-check gpu-check-dry vllm-latency clean
+	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
+	recovery-order recovery-gap recovery-compare launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -97,6 +98,44 @@ recovery-lr-scan: $(STAMP)
 		--out results/recovery/tp3_e2e_scan/full_lr3e-5_ep2
 	$(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
 		--scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
+
+# recovery scans at SPD 50% beside `make recovery` (its dense evaluation reused): the block stage's calibration size
+# (32 windows x 3 epochs, 96 x 1, against 8 x 10), end to end from the 32-window bank, and the recovered drop order
+# (a profile of the HG+B2B bank on valid windows 8-15, which it did not train on)
+recovery-calib: $(STAMP)
+	for n in 32 96; do mkdir -p results/recovery/tp3_bank$$n/nll; test -e results/recovery/tp3_bank$$n/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank$$n/nll/ || exit 1; done
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b,hg+b2b+e2e --windows 64 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3_bank32
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b --windows 64 \
+		--block-samples 96 --block-epochs 1 --out results/recovery/tp3_bank96
+
+recovery-order: $(STAMP)
+	$(BIN)/syncdrop profile --model runs/recovery/tp3/bank_hg+b2b --tp 3 --calib wikitext2:valid --skip 8 --samples 8 \
+		--seq-len 512 --out results/recovery/tp3_order/profile_recovered.json
+	mkdir -p results/recovery/tp3_order/progressive/nll
+	test -e results/recovery/tp3_order/progressive/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_order/progressive/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --profile results/recovery/tp3_order/profile_recovered.json \
+		--fractions 0.5,0.7 --methods hg+b2b --windows 64 --block-samples 8 --block-epochs 10 \
+		--out results/recovery/tp3_order/progressive
+
+# what limits recovery at SPD 50%: the same models on their calibration windows, on unseen valid windows (512 and
+# 1024 tokens over the same text) and on test (results/recovery/tp3_gap/gap.{json,md})
+recovery-gap: $(STAMP)
+	$(BIN)/python benchmarks/recovery_gap.py --tp 3 --out results/recovery/tp3_gap/gap --configs \
+		"hg+b2b 8x10=runs/recovery/tp3/bank_hg+b2b@0.5,hg+b2b 32x3=runs/recovery/tp3/bank_hg+b2b_n32_ep3_s512@0.5,hg+b2b 8x10 + e2e=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n64_ep1"
+
+# paired comparisons of the scans above on the same 64 test windows (results/recovery/tp3_compare.{json,md})
+R3 := results/recovery/tp3
+recovery-compare: $(STAMP)
+	$(BIN)/python benchmarks/recovery_compare.py --out $(R3)_compare \
+		--pair "HG+B2B 50%: bank 32x3 / 8x10=$(R3)_bank32/nll/hg+b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
+		--pair "HG+B2B 50%: bank 96x1 / 8x10=$(R3)_bank96/nll/hg+b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
+		--pair "HG+B2B 50%: bank 32x3 / 96x1=$(R3)_bank32/nll/hg+b2b_f0.5.json:$(R3)_bank96/nll/hg+b2b_f0.5.json" \
+		--pair "HG+B2B+e2e 50%: from bank 32x3 / 8x10=$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json:$(R3)/nll/hg+b2b+e2e_f0.5.json" \
+		--pair "HG+B2B 50%: recovered / zero-shot order=$(R3)_order/progressive/nll/hg+b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
+		--pair "HG+B2B 70%: recovered / zero-shot order=$(R3)_order/progressive/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \

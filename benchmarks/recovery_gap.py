@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -84,6 +85,11 @@ def score(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Path)
     return nll
 
 
+def slug(name: str) -> str:
+    """A configuration name as a file name (runs of other characters -> ``_``)."""
+    return re.sub(r"[^A-Za-z0-9+.-]+", "_", name)
+
+
 def ratio_ci(nll: list[float], base: list[float]) -> tuple[float, tuple[float, float] | None]:
     """ppl / dense ppl and its paired percentile-bootstrap interval over windows."""
     def stat(idx: list[int]) -> float:
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         base = score(args.model, args.tp, SyncPlan.uniform(L), w, cache / f"dense_{sname}.json")
         nlls[f"dense/{sname}"] = base
         for cname, (spec, plan) in configs.items():
-            nll = score(spec, args.tp, plan, w, cache / f"{cname}_{sname}.json")
+            nll = score(spec, args.tp, plan, w, cache / f"{slug(cname)}_{sname}.json")
             nlls[f"{cname}/{sname}"] = nll
             r, ci = ratio_ci(nll, base)
             rows.append({"config": cname, "set": sname, "windows": list(w.shape), "ratio": r,

@@ -1,0 +1,63 @@
+"""Paired comparisons of two recovery variants on the same test windows (issue 16): for each pair of
+per-window NLL files written by ``recovery_sweep.py`` (``OUT/nll/<method>_f<F>.json``), the perplexity
+ratio A / B with its 95% paired percentile bootstrap interval over windows. Both files must hold the
+same windows (checked: same count; the sweep's cache keys record the window shape).
+
+    python benchmarks/recovery_compare.py --out results/recovery/tp3_compare \\
+        --pair "32x3 / 8x10=results/recovery/tp3_bank32/nll/hg+b2b_f0.5.json:results/recovery/tp3/nll/hg+b2b_f0.5.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from syncdrop.bench.stats import bootstrap_ci
+from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+
+
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, tuple[float, float] | None]:
+    """exp(mean(a - b)) over windows (= ppl_a / ppl_b) and its paired bootstrap interval."""
+    def stat(idx: list[int]) -> float:
+        return math.exp(sum(a[i] - b[i] for i in idx) / len(idx))
+
+    return stat(list(range(len(a)))), bootstrap_ci(stat, len(a))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", action="append", required=True, help="NAME=A.json:B.json (ratio A / B); repeatable")
+    ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    rows = []
+    for item in args.pair:
+        name, sep, files = item.rpartition("=")
+        fa, _, fb = files.partition(":")
+        if not sep or not name or not Path(fa).is_file() or not Path(fb).is_file():
+            raise SystemExit(f"--pair: expected NAME=A.json:B.json with both files present, got {item!r}")
+        da, db = (json.loads(Path(f).read_text()) for f in (fa, fb))
+        a, b = da["window_nll"], db["window_nll"]
+        if len(a) != len(b) or da["key"]["windows"] != db["key"]["windows"]:
+            raise SystemExit(f"--pair {name}: the files hold different windows ({len(a)} and {len(b)})")
+        r, ci = paired_ratio(a, b)
+        rows.append({"name": name, "a": fa, "b": fb, "windows": len(a), "ratio": r,
+                     "ratio_ci": list(ci) if ci else None, "significant": bool(ci) and (ci[1] < 1 or ci[0] > 1)})
+    out = Path(args.out)
+    atomic_write_json(out.with_suffix(".json"), {"command": sys.argv, "provenance": provenance(), "rows": rows})
+    lines = ["Paired comparisons on the same WikiText-2 test windows: perplexity ratio A / B with its 95% paired "
+             "bootstrap interval over windows (below 1: A is better).", "",
+             "| comparison | windows | A / B | 95% interval | significant |", "|---|---:|---:|---|---|"]
+    for r in rows:
+        ci = r["ratio_ci"]
+        lines.append(f"| {r['name']} | {r['windows']} | {r['ratio']:.4f} | "
+                     + (f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "-") + f" | {'yes' if r['significant'] else 'no'} |")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
