@@ -10,7 +10,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare launch-stress gpu-check gpu-check-dry vllm-latency clean
+	recovery-order recovery-gap recovery-compare recovery-full \
+	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -99,9 +100,9 @@ recovery-lr-scan: $(STAMP)
 	$(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
 		--scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
 
-# recovery scans at SPD 50% beside `make recovery` (its dense evaluation reused): the block stage's calibration size
-# (32 windows x 3 epochs, 96 x 1, against 8 x 10), end to end from the 32-window bank, and the recovered drop order
-# (a profile of the HG+B2B bank on valid windows 8-15, which it did not train on)
+# recovery scans beside `make recovery` (its dense evaluation reused): the block stage's calibration size at SPD 50%
+# (32 windows x 3 epochs, 96 x 1, against 8 x 10), end to end from the 32-window bank on 64 and on 128 valid windows
+# (50% and 70%); and the recovered drop order (a profile of the HG+B2B bank on valid windows 8-15, not trained on)
 recovery-calib: $(STAMP)
 	for n in 32 96; do mkdir -p results/recovery/tp3_bank$$n/nll; test -e results/recovery/tp3_bank$$n/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank$$n/nll/ || exit 1; done
@@ -109,6 +110,16 @@ recovery-calib: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3_bank32
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b --windows 64 \
 		--block-samples 96 --block-epochs 1 --out results/recovery/tp3_bank96
+	mkdir -p results/recovery/tp3_bank32_e2e128/nll; test -e results/recovery/tp3_bank32_e2e128/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e128/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b,hg+b2b+e2e --windows 64 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e128
+
+# the headline points on all 304 WikiText-2 test windows of 1024: dense and the best recovery so far (HG+B2B bank
+# 32 x 3, then e2e on 128 valid windows) at SPD 50% and 70% (models from `make recovery-calib`)
+recovery-full: $(STAMP)
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 304 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_full
 
 recovery-order: $(STAMP)
 	$(BIN)/syncdrop profile --model runs/recovery/tp3/bank_hg+b2b --tp 3 --calib wikitext2:valid --skip 8 --samples 8 \
@@ -135,7 +146,9 @@ recovery-compare: $(STAMP)
 		--pair "HG+B2B 50%: bank 32x3 / 96x1=$(R3)_bank32/nll/hg+b2b_f0.5.json:$(R3)_bank96/nll/hg+b2b_f0.5.json" \
 		--pair "HG+B2B+e2e 50%: from bank 32x3 / 8x10=$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json:$(R3)/nll/hg+b2b+e2e_f0.5.json" \
 		--pair "HG+B2B 50%: recovered / zero-shot order=$(R3)_order/progressive/nll/hg+b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
-		--pair "HG+B2B 70%: recovered / zero-shot order=$(R3)_order/progressive/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json"
+		--pair "HG+B2B 70%: recovered / zero-shot order=$(R3)_order/progressive/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
+		--pair "HG+B2B 32x3 + e2e 50%: 128 / 64 windows=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json" \
+		--pair "e2e 50%: 32x3 + 128 / 8x10 + 64 (make recovery)=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json:$(R3)/nll/hg+b2b+e2e_f0.5.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \

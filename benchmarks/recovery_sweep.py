@@ -92,10 +92,10 @@ class Times:
         self.path = path
         self.d = json.loads(path.read_text()) if path.exists() else {}
 
-    def run(self, key: str, fn):
+    def run(self, key: str, fn, record: bool = True):
         t0 = time.perf_counter()
         out = fn()
-        if key not in self.d:
+        if record and key not in self.d:
             self.d[key] = time.perf_counter() - t0
             atomic_write_json(self.path, self.d)
         return out
@@ -276,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         key = f"distill:{d.name}"
         s = DistillSettings(lr, args.block_epochs, 1, 0.0, 0, method=method)
         the_plan = SyncPlan.uniform(L, "drop") if banked else plan
-        times.run(key, lambda: distill(source, args.tp, the_plan, dict.fromkeys(the_plan.dropped, tier),
-                                       cw[: args.block_samples], held, d, s, calib_meta))
+        # a directory another sweep trained (its time is in that sweep's times.json): reused, not timed
+        record = not (d / "syncdrop.json").exists()
+        times.run(key, record=record, fn=lambda: distill(source, args.tp, the_plan,
+                                                         dict.fromkeys(the_plan.dropped, tier),
+                                                         cw[: args.block_samples], held, d, s, calib_meta))
         return d
 
     def e2e_stage(block: str, f: float, plan: SyncPlan, start: Path) -> Path:
