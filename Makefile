@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full \
+	recovery-order recovery-gap recovery-compare recovery-full zero-shot-recovery \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
@@ -172,6 +172,14 @@ caat-latency: $(STAMP)
 zero-shot-spd: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \
 		--out results/zero_shot_spd
+
+# issue 16 point 4: dense and the best recovery at SPD 50% and 70% (models from `make recovery-calib`) on the 8 local
+# tasks, 500 documents each (MMLU: 9 per subject, 513), paired per-document differences; resumable per task
+# (results/zero_shot_recovery/runs/<config>/<task>.json; several hours on the 2-core machine)
+zero-shot-recovery: $(STAMP)
+	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
+		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512" \
+		--out results/zero_shot_recovery
 
 lm-eval-parity: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
