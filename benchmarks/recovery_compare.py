@@ -11,20 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
-from syncdrop.bench.stats import bootstrap_ci
+from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
-
-
-def paired_ratio(a: list[float], b: list[float]) -> tuple[float, tuple[float, float] | None]:
-    """exp(mean(a - b)) over windows (= ppl_a / ppl_b) and its paired bootstrap interval."""
-    def stat(idx: list[int]) -> float:
-        return math.exp(sum(a[i] - b[i] for i in idx) / len(idx))
-
-    return stat(list(range(len(a)))), bootstrap_ci(stat, len(a))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = da["window_nll"], db["window_nll"]
         if len(a) != len(b) or da["key"]["windows"] != db["key"]["windows"]:
             raise SystemExit(f"--pair {name}: the files hold different windows ({len(a)} and {len(b)})")
-        r, ci = paired_ratio(a, b)
+        r, ci = paired_ppl_ratio(a, b)
         rows.append({"name": name, "a": fa, "b": fb, "windows": len(a), "ratio": r,
                      "ratio_ci": list(ci) if ci else None, "significant": bool(ci) and (ci[1] < 1 or ci[0] > 1)})
     out = Path(args.out)

@@ -28,14 +28,13 @@ import argparse
 import hashlib
 import json
 import logging
-import math
 import re
 import sys
 from pathlib import Path
 
 import torch
 
-from syncdrop.bench.stats import bootstrap_ci
+from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
@@ -90,12 +89,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9+.-]+", "_", name)
 
 
-def ratio_ci(nll: list[float], base: list[float]) -> tuple[float, tuple[float, float] | None]:
-    """ppl / dense ppl and its paired percentile-bootstrap interval over windows."""
-    def stat(idx: list[int]) -> float:
-        return math.exp(sum(nll[i] - base[i] for i in idx) / len(idx))
-
-    return stat(list(range(len(base)))), bootstrap_ci(stat, len(base))
 
 
 def parse_configs(text: str, L: int, order: list[int]) -> dict[str, tuple[str, SyncPlan]]:
@@ -142,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for cname, (spec, plan) in configs.items():
             nll = score(spec, args.tp, plan, w, cache / f"{slug(cname)}_{sname}.json")
             nlls[f"{cname}/{sname}"] = nll
-            r, ci = ratio_ci(nll, base)
+            r, ci = paired_ppl_ratio(nll, base)
             rows.append({"config": cname, "set": sname, "windows": list(w.shape), "ratio": r,
                          "ratio_ci": list(ci) if ci else None, "dropped": plan.dropped, "model": spec})
             log.info("%-12s %-18s x%.4f %s", cname, sname, r, ci)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from syncdrop.bench.stats import bootstrap_ci
+from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.eval.data import load_text, resolve_corpus
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
@@ -134,15 +134,6 @@ def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Pa
     return done
 
 
-def ratio_ci(nll: list[float], base: list[float]) -> tuple[float, tuple[float, float] | None]:
-    """ppl / dense ppl and its paired percentile-bootstrap interval over windows (same resample of
-    windows for both)."""
-    n = len(base)
-
-    def stat(idx: list[int]) -> float:
-        return math.exp(sum(nll[i] - base[i] for i in idx) / len(idx))
-
-    return stat(list(range(n))), bootstrap_ci(stat, n)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -305,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec_dir = e2e_stage(block, f, plan, spec_dir)
                 spec = str(spec_dir)
             nll = evaluate(spec, args.tp, plan, tw, out / "nll" / f"{m}_f{f:g}.json", args.chunk)
-            ratio, ci = ratio_ci(nll, base_nll)
+            ratio, ci = paired_ppl_ratio(nll, base_nll)
             bank = block is not None and BLOCK_METHODS[block][2]
             secs = {k: v for k, v in times.d.items()
                     if block is not None and (k == f"distill:{block_name(block, f, plan)}"

@@ -52,3 +52,20 @@ def test_paired_bootstrap_of_a_difference() -> None:
 
 def test_undefined_statistic_gives_no_interval() -> None:
     assert bootstrap_ci(lambda idx: None, 5) is None
+
+
+def test_paired_ppl_ratio_is_the_perplexity_ratio_with_a_paired_interval() -> None:
+    """A constant per-window NLL shift c is a perplexity ratio of exactly exp(c), and the paired
+    interval collapses onto it (every resample sees the same difference); unequal windows are refused."""
+    import math
+
+    from syncdrop.bench.stats import paired_ppl_ratio
+
+    base = [2.0 + 0.37 * (i % 7) for i in range(40)]  # windows of very different difficulty
+    r, ci = paired_ppl_ratio([b + 0.05 for b in base], base)
+    assert r == pytest.approx(math.exp(0.05)) and ci == pytest.approx((math.exp(0.05),) * 2)
+    noisy = [b + 0.05 + (0.02 if i % 2 else -0.02) for i, b in enumerate(base)]
+    r, (lo, hi) = paired_ppl_ratio(noisy, base)
+    assert lo < r < hi and lo > 1.0
+    with pytest.raises(ValueError, match="same windows"):
+        paired_ppl_ratio(base[:-1], base)

@@ -55,3 +55,16 @@ def relative_half_width(xs: Sequence[float]) -> float:
     if ci is None or med <= 0:
         return math.inf
     return (ci[1] - ci[0]) / 2 / med
+
+
+def paired_ppl_ratio(nll: Sequence[float], base: Sequence[float]) -> tuple[float, tuple[float, float] | None]:
+    """Perplexity ratio of two models scored on the same windows, ``exp(mean_w(nll_w - base_w))``, with
+    its paired percentile bootstrap interval (one resample of windows for both); ``nll``/``base``: each
+    window's mean token NLL, in the same window order."""
+    if len(nll) != len(base):
+        raise ValueError(f"paired ratio needs the same windows, got {len(nll)} and {len(base)}")
+
+    def stat(idx: list[int]) -> float:
+        return math.exp(sum(nll[i] - base[i] for i in idx) / len(idx))
+
+    return stat(list(range(len(base)))), bootstrap_ci(stat, len(base))
