@@ -38,6 +38,7 @@ from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+from syncdrop.models.distilled import blocks_digest
 from syncdrop.models.loading import resolve_model
 from syncdrop.plan import SyncPlan
 from syncdrop.runtime import choose_runtime
@@ -67,12 +68,7 @@ def window_sets(tok, unseen_start: int, n512: int) -> dict[str, torch.Tensor]:
 def score(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Path) -> list[float]:
     """Per-window mean NLL of ``spec`` under ``plan`` on ``windows``, cached in ``path`` (keyed by the
     model's blocks and plan digest, the plan and the windows' digest)."""
-    manifest = Path(spec) / "syncdrop.json"
-    digest = None
-    if manifest.is_file():
-        m = json.loads(manifest.read_text())
-        digest = hashlib.sha256(json.dumps([m.get("blocks"), m.get("plan")], sort_keys=True).encode()).hexdigest()
-    key = {"model": spec, "manifest_sha256": digest, "tp": tp, "plan": plan.to_dict()["blocks"],
+    key = {"model": spec, "manifest_sha256": blocks_digest(spec), "tp": tp, "plan": plan.to_dict()["blocks"],
            "windows_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest()}
     if path.exists() and (d := json.loads(path.read_text())).get("key") == key:
         return d["window_nll"]

@@ -48,6 +48,7 @@ from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.eval.data import load_text, resolve_corpus
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
+from syncdrop.models.distilled import blocks_digest
 from syncdrop.models.loading import resolve_model
 from syncdrop.plan import SyncPlan
 from syncdrop.runtime import choose_runtime
@@ -104,14 +105,7 @@ class Times:
 def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Path, chunk: int) -> list[float]:
     """Per-window mean NLL of ``spec`` under ``plan`` (simulated executor, fp32), resumable: the windows
     done so far live in ``path``."""
-    # a model directory: the digest of its blocks and plan (retrained -> re-evaluated; a rerun that only
-    # rewrites the manifest's provenance keeps the cache)
-    manifest = Path(spec) / "syncdrop.json"
-    digest = None
-    if manifest.is_file():
-        m = json.loads(manifest.read_text())
-        digest = hashlib.sha256(json.dumps([m.get("blocks"), m.get("plan")], sort_keys=True).encode()).hexdigest()
-    key = {"model": spec, "manifest_sha256": digest, "tp": tp, "plan": plan.to_dict()["blocks"],
+    key = {"model": spec, "manifest_sha256": blocks_digest(spec), "tp": tp, "plan": plan.to_dict()["blocks"],
            "windows": list(windows.shape)}
     done: list[float] = []
     if path.exists():

@@ -168,3 +168,17 @@ class OverlayCheckpoint:
 
     def get_cols(self, name: str, index: torch.Tensor) -> torch.Tensor:
         return self.get(name)[:, index] if name in self._files else self.base.get_cols(name, index)
+
+
+def blocks_digest(spec: str) -> str | None:
+    """SHA-256 of a ``syncdrop distill`` directory's blocks and plan (its manifest's ``blocks`` and
+    ``plan``), None for any other model spec: what an evaluation cache keys on, so that a retrained
+    directory is re-evaluated and a rerun that only rewrote the manifest's provenance is not."""
+    import hashlib
+
+    manifest = os.path.join(spec, MANIFEST)
+    if not os.path.isfile(manifest):
+        return None
+    with open(manifest) as f:
+        m = json.load(f)
+    return hashlib.sha256(json.dumps([m.get("blocks"), m.get("plan")], sort_keys=True).encode()).hexdigest()
