@@ -39,7 +39,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="calibration text: auto:valid (default: WikiText-2 valid, else the Shakespeare comedies) | "
                         "wikitext2:valid | wikitext2 | shakespeare | shakespeare:valid | PATH")
     p.add_argument("--data-dir", default=None, help="data folder (default $SYNCDROP_DATA or ../shared/data)")
-    p.add_argument("--samples", type=int, default=8, help="calibration windows K: the first K (default 8)")
+    p.add_argument("--samples", type=int, default=8, help="calibration windows K: the first K after --skip (default 8)")
     p.add_argument("--skip", type=int, default=0,
                    help="calibration windows skipped before the K (default 0; e.g. the windows a bank was trained on)")
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
