@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
+.PHONY: recovery-tp2 demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
 	recovery-order recovery-gap recovery-compare recovery-full zero-shot-recovery \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
@@ -79,14 +79,21 @@ spd-sweep: $(STAMP)
 		--fractions 0,0.5,1.0 --out results/spd_sweep_tp3_hg
 	$(BIN)/python benchmarks/bank_stats.py results/spd_sweep_tp3 results/spd_sweep_tp2 results/spd_sweep_tp3_hg
 
-# recovery beyond the paper (issue 16): zero-shot, HG+B2B and HG+B2B + end-to-end KL distillation at SPD 50/70/100%,
+# recovery beyond the paper (issue 16): zero-shot, B2B, HG+B2B, HG+B2B + end-to-end KL distillation and sequential
+# HG+B2B at SPD 25/50/70/100%,
 # TP=3, WikiText-2 test (64 windows of 1024) with paired bootstrap intervals against dense; model directories in
 # runs/recovery/tp3, every stage resumable (results/recovery/tp3/{recovery.json,recovery.md,recovery.png,times.json})
 recovery: $(STAMP)
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7,1.0 --methods zs,hg+b2b,hg+b2b+e2e \
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3
 	for f in 0.7 1; do $(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction $$f \
 		--scan results/recovery/tp3 --out results/recovery/tp3/e2e_f$$f || exit 1; done
+
+# the same sweep at TP=2 (syncdrop's uneven layout: 5 + 4 query heads), its own profile and banks
+# (runs/recovery/tp2, results/recovery/tp2)
+recovery-tp2: $(STAMP)
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 2 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e \
+		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp2
 
 # the end-to-end learning-rate scan at SPD 50% (the bank and the dense evaluation of `make recovery` reused)
 recovery-lr-scan: $(STAMP)

@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,17 +88,25 @@ def parse_method(name: str) -> tuple[str | None, bool]:
 
 
 class Times:
-    """``OUT/times.json``: seconds of each completed stage, written as each one ends."""
+    """``OUT/times.json``: seconds of each completed stage, written as each one ends. Beside it,
+    ``OUT/times_conditions.json`` says what each stage ran with: torch's intra-op threads and the machine's
+    1-minute load average at its start and end (a load above the threads means another job shared the cores,
+    so that time is not comparable with a stage that ran alone)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.cond_path = path.with_name("times_conditions.json")
         self.d = json.loads(path.read_text()) if path.exists() else {}
+        self.cond = json.loads(self.cond_path.read_text()) if self.cond_path.exists() else {}
 
     def run(self, key: str, fn, record: bool = True):
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         out = fn()
         if record and key not in self.d:
             self.d[key] = time.perf_counter() - t0
+            self.cond[key] = {"threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                              "loadavg_1min_start": round(load0, 2), "loadavg_1min_end": round(os.getloadavg()[0], 2)}
+            atomic_write_json(self.cond_path, self.cond)
             atomic_write_json(self.path, self.d)
         return out
 
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                               or (e2e and k == f"e2e:{e2e_name(block, f, plan)}"))}
             rows.append({"fraction": f, "method": m, "dropped": plan.dropped, "ppl": math.exp(sum(nll) / len(nll)),
                          "ratio": ratio, "ratio_ci": list(ci) if ci else None, "windows": len(nll),
-                         "stage_seconds": secs,
+                         "stage_seconds": secs, "stage_conditions": {k: times.cond.get(k) for k in secs},
                          "seconds_note": "the bank is distilled once for every block (all fractions)" if bank else ""})
             log.info("F=%.2f %-14s ppl %.3f  x%.4f %s", f, m, rows[-1]["ppl"], ratio, ci)
             atomic_write_json(results, {"command": sys.argv, "provenance": provenance(), "rows": rows})

@@ -4,6 +4,7 @@ directories used as ``--model`` (papers.md §4-5)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -261,7 +262,7 @@ def test_bank_subset_equals_distilling_the_plan(tiny_llama_dir, tmp_path) -> Non
         write_subset(tmp_path / "bad", tmp_path / "bank", plan, str(tiny_llama_dir), 3)
 
 
-def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, text_file, tmp_path) -> None:
+def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, text_file, tmp_path, caplog) -> None:
     """``syncdrop profile --model BANK``: each block's recovered isolated perplexity is the perplexity
     of the bank under the plan dropping that block alone, and the progressive one for block 0 that of
     the bank with every block dropped, each built and evaluated from scratch on the same windows
@@ -274,7 +275,10 @@ def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, t
     _distill(src, 2, tmp_path / "bank", "hg+b2b", blocks=(0, 1), epochs=2)
     common = ["--tp", "2", "--calib", str(text_file), "--samples", "2", "--skip", "1", "--seq-len", "16", "-q",
               "--no-png"]
-    assert main(["profile", "--model", str(tmp_path / "bank"), *common, "--out", str(tmp_path / "rec.json")]) == 0
+    with caplog.at_level(logging.WARNING, logger="syncdrop.runtime"):
+        assert main(["profile", "--model", str(tmp_path / "bank"), *common, "--out", str(tmp_path / "rec.json")]) == 0
+    # every plan but the all-dropped one keeps a distilled block's sync: one warning for the directory, not one each
+    assert sum("keeps their sync" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
     assert main(["profile", "--model", str(tiny_llama_dir), *common, "--out", str(tmp_path / "zs.json")]) == 0
     rec, zs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("rec", "zs"))
     assert rec["recovered"]["blocks"] == [0, 1] and "recovered" not in zs and rec["calib"]["skip"] == 1
