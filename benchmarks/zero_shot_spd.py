@@ -252,6 +252,18 @@ def _markdown(summary: dict[str, Any], tasks: list[str], settings: dict[str, Any
                                              f" ({r['paper_avg_relative_change']:+.1%})")
         label = "dense" if name == "dense" else f"SPD {r['fraction']:.0%} {r['variant']}"
         lines.append(f"| {label} | {cells} | {r['avg_acc']:.3f} | {delta} | {r['paper_avg_acc']:.3f} | {pdelta} |")
+    others = [r for name, r in summary.items() if name != "dense"]
+    if others:
+        lines += ["", "Per task: paired per-document accuracy difference from dense (points), with its 95% interval.",
+                  "", "| config | " + " | ".join(short.get(t, t) for t in tasks) + " |",
+                  "|---|" + "---:|" * len(tasks)]
+        for r in others:
+            cells = []
+            for t in tasks:
+                pd = r["paired_delta_vs_dense"][t]
+                d, se = pd["delta"] * 100, pd["stderr"] * 100
+                cells.append(f"{d:+.1f} [{d - 1.96 * se:+.1f}, {d + 1.96 * se:+.1f}]")
+            lines.append(f"| SPD {r['fraction']:.0%} {r['variant']} | " + " | ".join(cells) + " |")
     lines += ["", PAPER]
     return "\n".join(lines) + "\n"
 
