@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             key.update(drop_order=order, distill=settings["distill"])
         r = _eval_config(name, spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root,
                          args.batch_size, out, key)
-        runs[name] = {"fraction": f, "variant": variant, "spec": spec, **r}
+        label = "dense" if name == "dense" else (f"{name} (SPD {f:.0%}, {Path(spec).name})" if name in extra
+                                                 else f"SPD {f:.0%} {variant}")
+        runs[name] = {"fraction": f, "variant": variant, "label": label, "spec": spec, **r}
     summary = _summarise(runs, tasks)
     atomic_write_json(out / "zero_shot.json", {"settings": settings, "provenance": provenance(), "paper": PAPER,
                                                "summary": summary,
@@ -213,7 +215,8 @@ def _summarise(runs: dict[str, dict[str, Any]], tasks: list[str]) -> dict[str, A
         p_d, p_se = _avg_delta([deltas[t] for t in pt])
         p_avg = sum(accs[t] for t in pt) / len(pt) if pt else math.nan
         p_dense = sum(dense[t]["acc"] for t in pt) / len(pt) if pt else math.nan
-        rows[name] = {"fraction": r["fraction"], "variant": r["variant"], "plan": r["plan_summary"], "acc": accs,
+        rows[name] = {"fraction": r["fraction"], "variant": r["variant"], "label": r["label"],
+                      "plan": r["plan_summary"], "acc": accs,
                       "acc_norm": {t: r["tasks"][t].get("acc_norm") for t in tasks},
                       "n": {t: r["tasks"][t]["n"] for t in tasks},
                       "avg_acc": sum(accs.values()) / len(tasks),
@@ -250,8 +253,7 @@ def _markdown(summary: dict[str, Any], tasks: list[str], settings: dict[str, Any
         delta = "" if name == "dense" else f"{d:+.3f} [{d - 1.96 * se:+.3f}, {d + 1.96 * se:+.3f}]"
         pdelta = "" if name == "dense" else (f"{r['paper_avg_delta_vs_dense']:+.3f} ± {r['paper_avg_delta_stderr']:.3f}"
                                              f" ({r['paper_avg_relative_change']:+.1%})")
-        label = "dense" if name == "dense" else f"SPD {r['fraction']:.0%} {r['variant']}"
-        lines.append(f"| {label} | {cells} | {r['avg_acc']:.3f} | {delta} | {r['paper_avg_acc']:.3f} | {pdelta} |")
+        lines.append(f"| {r['label']} | {cells} | {r['avg_acc']:.3f} | {delta} | {r['paper_avg_acc']:.3f} | {pdelta} |")
     others = [r for name, r in summary.items() if name != "dense"]
     if others:
         lines += ["", "Per task: paired per-document accuracy difference from dense (points), with its 95% interval.",
@@ -263,7 +265,7 @@ def _markdown(summary: dict[str, Any], tasks: list[str], settings: dict[str, Any
                 pd = r["paired_delta_vs_dense"][t]
                 d, se = pd["delta"] * 100, pd["stderr"] * 100
                 cells.append(f"{d:+.1f} [{d - 1.96 * se:+.1f}, {d + 1.96 * se:+.1f}]")
-            lines.append(f"| SPD {r['fraction']:.0%} {r['variant']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     lines += ["", PAPER]
     return "\n".join(lines) + "\n"
 
