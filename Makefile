@@ -123,12 +123,16 @@ recovery-calib: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e128
 
 # end to end on 512 WikiText-2 valid windows (nearly all of valid: 534 windows of 512, 4 held out) from the 32-window
-# bank, SPD 50%: the next point of the calibration-size curve (64 -> 128 -> 512 windows)
+# bank, SPD 50%: the next point of the calibration-size curve (64 -> 128 -> 512 windows), then on all 304 test windows
 recovery-e2e512: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2e512/nll; test -e results/recovery/tp3_bank32_e2e512/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512/nll/
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e512
+	mkdir -p results/recovery/tp3_full_e2e512/nll; test -e results/recovery/tp3_full_e2e512/nll/dense.json \
+		|| cp results/recovery/tp3_full/nll/dense.json results/recovery/tp3_full_e2e512/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 304 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_full_e2e512
 
 # the headline points on all 304 WikiText-2 test windows of 1024: dense and the best recovery so far (HG+B2B bank
 # 32 x 3, then e2e on 128 valid windows) at SPD 50% and 70% (models from `make recovery-calib`)
