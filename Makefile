@@ -169,7 +169,8 @@ recovery-compare: $(STAMP)
 		--pair "HG+B2B 32x3 + e2e 50%: 128 / 64 windows=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json" \
 		--pair "e2e 50%: 32x3 + 128 / 8x10 + 64 (make recovery)=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json:$(R3)/nll/hg+b2b+e2e_f0.5.json" \
 		--pair "e2e 70%: 32x3 + 128 / 8x10 + 64 (make recovery)=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.7.json:$(R3)/nll/hg+b2b+e2e_f0.7.json" \
-		--pair "HG+B2B 70%: bank 32x3 / 8x10=$(R3)_bank32_e2e128/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json"
+		--pair "HG+B2B 70%: bank 32x3 / 8x10=$(R3)_bank32_e2e128/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
+		--pair "HG+B2B 32x3 + e2e 50%: 512 / 128 windows=$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
