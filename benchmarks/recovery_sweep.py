@@ -154,6 +154,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         err = [[(p[1] - (p[2] or [p[1]])[0]) * 100 for p in pts], [((p[2] or [0, p[1]])[1] - p[1]) * 100 for p in pts]]
         ax.errorbar(f, y, yerr=err, marker="o", capsize=3, label=m)
     ax.axhline(1, color="grey", ls="--", lw=0.8)
+    if max((r["ratio"] - 1) * 100 for r in rows) > 50:  # zero-shot at 100% would flatten every other curve
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_ylim(bottom=min(0.0, min((r["ratio"] - 1) * 100 for r in rows)))
     ax.set_xlabel("SPD fraction (%)")
     ax.set_ylabel("perplexity increase over dense (%)")
     ax.set_title(title, fontsize=9)
