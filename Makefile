@@ -173,7 +173,8 @@ recovery-compare: $(STAMP)
 		--pair "HG+B2B 32x3 + e2e 50%: 512 / 128 windows=$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json" \
 		--pair "B2B / HG+B2B 50% (bank 8x10)=$(R3)/nll/b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
 		--pair "B2B / HG+B2B 70% (bank 8x10)=$(R3)/nll/b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
-		--pair "B2B / HG+B2B 100% (bank 8x10)=$(R3)/nll/b2b_f1.json:$(R3)/nll/hg+b2b_f1.json"
+		--pair "B2B / HG+B2B 100% (bank 8x10)=$(R3)/nll/b2b_f1.json:$(R3)/nll/hg+b2b_f1.json" \
+		--pair "sequential / plain HG+B2B 25% (8x10)=$(R3)/nll/hg+seq_f0.25.json:$(R3)/nll/hg+b2b_f0.25.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
