@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: recovery-tp2 recovery-e2e512 demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
+.PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full zero-shot-recovery \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-tp2 zero-shot-recovery \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile

@@ -85,8 +85,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9+.-]+", "_", name)
 
 
-
-
 def parse_configs(text: str, L: int, order: list[int]) -> dict[str, tuple[str, SyncPlan]]:
     """``NAME=DIR`` (the directory's own plan) or ``NAME=DIR@F`` (the default order's plan at fraction F,
     e.g. a bank), comma-separated."""

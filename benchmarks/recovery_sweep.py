@@ -137,8 +137,6 @@ def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Pa
     return done
 
 
-
-
 def plot(rows: list[dict], path: Path, title: str) -> None:
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
