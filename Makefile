@@ -123,15 +123,16 @@ recovery-calib: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e128
 
 # end to end on 512 WikiText-2 valid windows (nearly all of valid: 534 windows of 512, 4 held out) from the 32-window
-# bank, SPD 50%: the next point of the calibration-size curve (64 -> 128 -> 512 windows), then on all 304 test windows
+# bank, SPD 50% and 70%: the next point of the calibration-size curve (64 -> 128 -> 512 windows) on 64 test windows,
+# then on all 304
 recovery-e2e512: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2e512/nll; test -e results/recovery/tp3_bank32_e2e512/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512/nll/
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 64 \
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e512
 	mkdir -p results/recovery/tp3_full_e2e512/nll; test -e results/recovery/tp3_full_e2e512/nll/dense.json \
 		|| cp results/recovery/tp3_full/nll/dense.json results/recovery/tp3_full_e2e512/nll/
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 304 \
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 304 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_full_e2e512
 
 # the headline points on all 304 WikiText-2 test windows of 1024: dense and the best recovery so far (HG+B2B bank
@@ -171,6 +172,9 @@ recovery-compare: $(STAMP)
 		--pair "e2e 70%: 32x3 + 128 / 8x10 + 64 (make recovery)=$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.7.json:$(R3)/nll/hg+b2b+e2e_f0.7.json" \
 		--pair "HG+B2B 70%: bank 32x3 / 8x10=$(R3)_bank32_e2e128/nll/hg+b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
 		--pair "HG+B2B 32x3 + e2e 50%: 512 / 128 windows=$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.5.json" \
+		--pair "HG+B2B 32x3 + e2e 70%: 512 / 128 windows=$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "all 304 windows, e2e 50%: 512 / 128 windows=$(R3)_full_e2e512/nll/hg+b2b+e2e_f0.5.json:$(R3)_full/nll/hg+b2b+e2e_f0.5.json" \
+		--pair "all 304 windows, e2e 70%: 512 / 128 windows=$(R3)_full_e2e512/nll/hg+b2b+e2e_f0.7.json:$(R3)_full/nll/hg+b2b+e2e_f0.7.json" \
 		--pair "B2B / HG+B2B 50% (bank 8x10)=$(R3)/nll/b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
 		--pair "B2B / HG+B2B 70% (bank 8x10)=$(R3)/nll/b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
 		--pair "B2B / HG+B2B 100% (bank 8x10)=$(R3)/nll/b2b_f1.json:$(R3)/nll/hg+b2b_f1.json" \
@@ -197,12 +201,13 @@ zero-shot-spd: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \
 		--out results/zero_shot_spd
 
-# issue 16 point 4: dense and the best recovery at SPD 50% and 70% (models from `make recovery-calib`) on the 8 local
+# issue 16 point 4: dense and the best recovery at SPD 50% and 70% (models from `make recovery-calib`: e2e on 128
+# windows; and SPD 70% from `make recovery-e2e512`: e2e on 512 windows) on the 8 local
 # tasks, 500 documents each (MMLU: 9 per subject, 513), paired per-document differences; resumable per task
 # (results/zero_shot_recovery/runs/<config>/<task>.json; several hours on the 2-core machine)
 zero-shot-recovery: $(STAMP)
 	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
-		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512" \
+		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512,e2e512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n512_ep1_n32_ep3_s512" \
 		--out results/zero_shot_recovery
 
 lm-eval-parity: $(STAMP)
