@@ -157,8 +157,10 @@ recovery-gap: $(STAMP)
 	$(BIN)/python benchmarks/recovery_gap.py --tp 3 --out results/recovery/tp3_gap/gap --configs \
 		"hg+b2b 8x10=runs/recovery/tp3/bank_hg+b2b@0.5,hg+b2b 32x3=runs/recovery/tp3/bank_hg+b2b_n32_ep3_s512@0.5,hg+b2b 8x10 + e2e=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n64_ep1"
 
-# paired comparisons of the scans above on the same 64 test windows (results/recovery/tp3_compare.{json,md})
+# paired comparisons of the scans above on the same test windows (64; all 304 where named; TP=3, and TP=2 where
+# named) (results/recovery/tp3_compare.{json,md})
 R3 := results/recovery/tp3
+R2 := results/recovery/tp2
 recovery-compare: $(STAMP)
 	$(BIN)/python benchmarks/recovery_compare.py --out $(R3)_compare \
 		--pair "HG+B2B 50%: bank 32x3 / 8x10=$(R3)_bank32/nll/hg+b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
@@ -178,7 +180,8 @@ recovery-compare: $(STAMP)
 		--pair "B2B / HG+B2B 50% (bank 8x10)=$(R3)/nll/b2b_f0.5.json:$(R3)/nll/hg+b2b_f0.5.json" \
 		--pair "B2B / HG+B2B 70% (bank 8x10)=$(R3)/nll/b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
 		--pair "B2B / HG+B2B 100% (bank 8x10)=$(R3)/nll/b2b_f1.json:$(R3)/nll/hg+b2b_f1.json" \
-		--pair "sequential / plain HG+B2B 25% (8x10)=$(R3)/nll/hg+seq_f0.25.json:$(R3)/nll/hg+b2b_f0.25.json"
+		--pair "sequential / plain HG+B2B 25% (8x10)=$(R3)/nll/hg+seq_f0.25.json:$(R3)/nll/hg+b2b_f0.25.json" \
+		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 B2B / HG+B2B $(f) (bank 8x10)=$(R2)/nll/b2b_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json")
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
