@@ -181,6 +181,8 @@ recovery-compare: $(STAMP)
 		--pair "B2B / HG+B2B 70% (bank 8x10)=$(R3)/nll/b2b_f0.7.json:$(R3)/nll/hg+b2b_f0.7.json" \
 		--pair "B2B / HG+B2B 100% (bank 8x10)=$(R3)/nll/b2b_f1.json:$(R3)/nll/hg+b2b_f1.json" \
 		--pair "sequential / plain HG+B2B 25% (8x10)=$(R3)/nll/hg+seq_f0.25.json:$(R3)/nll/hg+b2b_f0.25.json" \
+		$(foreach f,0.5 0.7,--pair "sequential / plain HG+B2B $(f) (8x10)=$(R3)/nll/hg+seq_f$(f).json:$(R3)/nll/hg+b2b_f$(f).json" \
+			--pair "sequential HG+B2B $(f) (8x10) / dense=$(R3)/nll/hg+seq_f$(f).json:$(R3)/nll/dense.json") \
 		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 B2B / HG+B2B $(f) (bank 8x10)=$(R2)/nll/b2b_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json")
 
 lr-scan: $(STAMP)
