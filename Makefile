@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-tp2 zero-shot-recovery \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-tp2 zero-shot-recovery \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
@@ -123,17 +123,28 @@ recovery-calib: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e128
 
 # end to end on 512 WikiText-2 valid windows (nearly all of valid: 534 windows of 512, 4 held out) from the 32-window
-# bank, SPD 50% and 70%: the next point of the calibration-size curve (64 -> 128 -> 512 windows) on 64 test windows,
-# then on all 304
+# bank, SPD 50%, 70% and 100%: the next point of the calibration-size curve (64 -> 128 -> 512 windows) on 64 test
+# windows, then on all 304 (a committed result stands for its model directory: only missing points are trained)
 recovery-e2e512: $(STAMP)
-	mkdir -p results/recovery/tp3_bank32_e2e512/nll; test -e results/recovery/tp3_bank32_e2e512/nll/dense.json \
-		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512/nll/
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 64 \
-		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_bank32_e2e512
-	mkdir -p results/recovery/tp3_full_e2e512/nll; test -e results/recovery/tp3_full_e2e512/nll/dense.json \
-		|| cp results/recovery/tp3_full/nll/dense.json results/recovery/tp3_full_e2e512/nll/
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 304 \
-		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-lr 3e-5 --out results/recovery/tp3_full_e2e512
+	$(MAKE) recovery-e2e ES=512 EN=512 EF=0.5,0.7,1.0 EOUT=e2e512
+
+# the same text (WikiText-2 valid, 256 windows of 1024 tokens: the 512-token windows above, two by two) trained at
+# the test window length, SPD 50%: does training on 1024-token windows close the 512 -> 1024 gap of tp3_gap?
+recovery-e2e1024: $(STAMP)
+	$(MAKE) recovery-e2e ES=1024 EN=256 EF=0.5 EOUT=e2e1024
+
+# one end-to-end recipe from the 32 x 3 bank on 64 test windows, then on all 304 (ES: window length, EN: windows,
+# EF: SPD fractions, EOUT: the results directories' suffix; EW=304: the 304-window step only, as the 100% point of
+# recovery-e2e512 and the recovery-e2e1024 point were run: the 64-window step would cost another 5 min each)
+EW ?= 64 304
+recovery-e2e: $(STAMP)
+	for n in $(EW); do w=$$(echo "64:bank32_$(EOUT):tp3 304:full_$(EOUT):tp3_full" | tr ' ' '\n' | grep "^$$n:"); \
+		r=$${w#*:}; d=$${r%%:*}; src=$${r#*:}; \
+		mkdir -p results/recovery/tp3_$$d/nll; test -e results/recovery/tp3_$$d/nll/dense.json \
+			|| cp results/recovery/$$src/nll/dense.json results/recovery/tp3_$$d/nll/ || exit 1; \
+		$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions $(EF) --methods hg+b2b+e2e --windows $$n \
+			--block-samples 32 --block-epochs 3 --e2e-samples $(EN) --e2e-seq-len $(ES) --e2e-lr 3e-5 \
+			--out results/recovery/tp3_$$d || exit 1; done
 
 # the headline points on all 304 WikiText-2 test windows of 1024: dense and the best recovery so far (HG+B2B bank
 # 32 x 3, then e2e on 128 valid windows) at SPD 50% and 70% (models from `make recovery-calib`)

@@ -22,7 +22,9 @@ Gutenberg windows, window length; a plan off the default zero-shot order: a dige
 Every stage is resumable and cached under ``--work`` (model directories: large, not committed) and
 ``--out`` (results): a distillation reruns from its own state files, an evaluation appends its
 windows' NLL to ``OUT/nll/<name>.json`` every ``--chunk`` windows. The wall time of every completed
-stage is kept in ``OUT/times.json`` (a stage interrupted and resumed counts its last run only).
+stage is kept in ``OUT/times.json`` (a stage interrupted and resumed counts its last run only). A
+finished evaluation outlives its model directory: where the directory is gone (a fresh clone), the
+committed ``OUT/nll`` file stands for it and nothing is retrained; delete the file to retrain.
 
 Outputs: ``OUT/recovery.json`` (settings, provenance, per point: ppl, ratio to dense with its 95%
 paired bootstrap interval over windows, the method's time), ``OUT/recovery.md`` and ``OUT/recovery.png``.
@@ -135,6 +137,23 @@ def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Pa
             bar.update(w.shape[0])
             atomic_write_json(path, {"key": key, "window_nll": done})
     return done
+
+
+def kept_result(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Path) -> list[float] | None:
+    """A finished evaluation of ``spec`` whose model directory no longer exists (model directories are
+    large and not committed; their evaluations are): the per-window NLL in ``path`` when its key matches
+    everything but the directory's digest, else None. The directory name encodes every training setting
+    (:func:`main`'s ``e2e_name`` / ``block_name``), so a result kept under that name is that experiment's.
+    Where the directory exists, :func:`evaluate`'s full key decides (a retrained directory is re-evaluated)."""
+    if Path(spec, "syncdrop.json").exists() or not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    key = d.get("key", {})
+    want = {"model": spec, "tp": tp, "plan": plan.to_dict()["blocks"], "windows": list(windows.shape)}
+    if key.get("manifest_sha256") is None or any(key.get(k) != v for k, v in want.items()):
+        return None
+    done = d["window_nll"]
+    return done if len(done) == windows.shape[0] else None
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -293,13 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         plan = SyncPlan.dropping(L, sorted(order[: round(f * L)]))
         for m in methods:
             block, e2e = parse_method(m)
+            nll_path = out / "nll" / f"{m}_f{f:g}.json"
             spec = args.model
             if block is not None:
-                spec_dir = block_stage(block, f, plan)
-                if e2e:
-                    spec_dir = e2e_stage(block, f, plan, spec_dir)
-                spec = str(spec_dir)
-            nll = evaluate(spec, args.tp, plan, tw, out / "nll" / f"{m}_f{f:g}.json", args.chunk)
+                name = e2e_name(block, f, plan) if e2e else block_name(block, f, plan)
+                nll = kept_result(str(work / name), args.tp, plan, tw, nll_path)
+                if nll is not None:
+                    log.info("F=%.2f %s: kept result of %s (its directory is gone; not retrained)", f, m, name)
+                else:
+                    spec_dir = block_stage(block, f, plan)
+                    if e2e:
+                        spec_dir = e2e_stage(block, f, plan, spec_dir)
+                    spec = str(spec_dir)
+            if block is None or nll is None:
+                nll = evaluate(spec, args.tp, plan, tw, nll_path, args.chunk)
             ratio, ci = paired_ppl_ratio(nll, base_nll)
             bank = block is not None and BLOCK_METHODS[block][2]
             secs = {k: v for k, v in times.d.items()

@@ -209,3 +209,38 @@ def test_probes_run_real_steps(tiny_llama_dir, tmp_path) -> None:
     block = probe_block_step_s(source, TP, w, torch.device("cpu"))
     e2e = probe_step_s(str(tiny_llama_dir), TP, SyncPlan.uniform(source.config.num_layers, "drop"), w)
     assert all(math.isfinite(t) and t > 0 for t in (block, e2e))
+
+
+def _recovery_sweep():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "recovery_sweep.py"
+    spec = importlib.util.spec_from_file_location("recovery_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweep_result_outlives_its_model_directory(tiny_llama_dir, tmp_path) -> None:
+    """benchmarks/recovery_sweep.py: the per-window NLL its ``evaluate`` wrote for a distilled directory stands
+    for that directory once the directory is gone (a fresh clone), and only then; other windows or another
+    plan never match."""
+    import shutil
+
+    sweep = _recovery_sweep()
+    src = resolve_model(str(tiny_llama_dir))
+    plan = SyncPlan.uniform(src.config.num_layers, "drop")
+    w = _windows(src.config.vocab_size, 8, 16, seed=5)
+    model = tmp_path / "runs" / "b2b"
+    distill(src, TP, plan, {0: "b2b", 1: "b2b"}, w[:4], w[4:6], model, DistillSettings(lr=1e-3, epochs=1),
+            {"dataset": "ids"}, progress=False)
+    nll_path = tmp_path / "nll.json"
+    test = _windows(src.config.vocab_size, 3, 16, seed=6)
+    nll = sweep.evaluate(str(model), TP, plan, test, nll_path, chunk=2)
+    assert sweep.kept_result(str(model), TP, plan, test, nll_path) is None  # the directory decides while it exists
+    shutil.rmtree(model)
+    assert sweep.kept_result(str(model), TP, plan, test, nll_path) == nll
+    assert sweep.kept_result(str(model), TP, plan, test[:2], nll_path) is None
+    assert sweep.kept_result(str(model), TP, SyncPlan.dropping(2, [0]), test, nll_path) is None
+    assert sweep.kept_result(str(tmp_path / "other"), TP, plan, test, nll_path) is None
