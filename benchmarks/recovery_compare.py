@@ -1,7 +1,10 @@
 """Paired comparisons of two recovery variants on the same test windows (issue 16): for each pair of
 per-window NLL files written by ``recovery_sweep.py`` (``OUT/nll/<method>_f<F>.json``), the perplexity
 ratio A / B with its 95% paired percentile bootstrap interval over windows. Both files must hold the
-same windows (checked: same count; the sweep's cache keys record the window shape).
+same windows (checked: same count; the sweep's cache keys record the window shape). ``@N`` after a pair
+compares the first ``N`` windows of both files: the sweep's test windows are consecutive from the start
+of WikiText-2 test, so a 304-window file's first 64 are a 64-window file's windows (checked: same
+window length, at least ``N`` in each).
 
     python benchmarks/recovery_compare.py --out results/recovery/tp3_compare \\
         --pair "32x3 / 8x10=results/recovery/tp3_bank32/nll/hg+b2b_f0.5.json:results/recovery/tp3/nll/hg+b2b_f0.5.json"
@@ -20,18 +23,29 @@ from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", action="append", required=True, help="NAME=A.json:B.json (ratio A / B); repeatable")
+    ap.add_argument("--pair", action="append", required=True,
+                    help="NAME=A.json:B.json[@N] (ratio A / B, on the first N windows with @N); repeatable")
     ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = ap.parse_args(argv)
     rows = []
     for item in args.pair:
         name, sep, files = item.rpartition("=")
+        files, at, first = files.partition("@")
         fa, _, fb = files.partition(":")
-        if not sep or not name or not Path(fa).is_file() or not Path(fb).is_file():
-            raise SystemExit(f"--pair: expected NAME=A.json:B.json with both files present, got {item!r}")
+        if (not sep or not name or not Path(fa).is_file() or not Path(fb).is_file()
+                or (at and not (first.isdigit() and int(first) > 0))):
+            raise SystemExit(f"--pair: expected NAME=A.json:B.json[@N] with both files present and N a positive "
+                             f"window count, got {item!r}")
         da, db = (json.loads(Path(f).read_text()) for f in (fa, fb))
         a, b = da["window_nll"], db["window_nll"]
-        if len(a) != len(b) or da["key"]["windows"] != db["key"]["windows"]:
+        (na, la), (nb, lb) = da["key"]["windows"], db["key"]["windows"]
+        if at:
+            n = int(first)
+            if la != lb or min(len(a), len(b)) < n:
+                raise SystemExit(f"--pair {name}: @{n} needs windows of one length and {n} in each "
+                                 f"({len(a)} x {la} and {len(b)} x {lb})")
+            a, b = a[:n], b[:n]
+        elif len(a) != len(b) or (na, la) != (nb, lb):
             raise SystemExit(f"--pair {name}: the files hold different windows ({len(a)} and {len(b)})")
         r, ci = paired_ppl_ratio(a, b)
         rows.append({"name": name, "a": fa, "b": fb, "windows": len(a), "ratio": r,

@@ -211,12 +211,12 @@ def test_probes_run_real_steps(tiny_llama_dir, tmp_path) -> None:
     assert all(math.isfinite(t) and t > 0 for t in (block, e2e))
 
 
-def _recovery_sweep():
+def _benchmark(name: str = "recovery_sweep"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "recovery_sweep.py"
-    spec = importlib.util.spec_from_file_location("recovery_sweep", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -228,7 +228,7 @@ def test_sweep_result_outlives_its_model_directory(tiny_llama_dir, tmp_path) -> 
     plan never match."""
     import shutil
 
-    sweep = _recovery_sweep()
+    sweep = _benchmark()
     src = resolve_model(str(tiny_llama_dir))
     plan = SyncPlan.uniform(src.config.num_layers, "drop")
     w = _windows(src.config.vocab_size, 8, 16, seed=5)
@@ -244,3 +244,30 @@ def test_sweep_result_outlives_its_model_directory(tiny_llama_dir, tmp_path) -> 
     assert sweep.kept_result(str(model), TP, plan, test[:2], nll_path) is None
     assert sweep.kept_result(str(model), TP, SyncPlan.dropping(2, [0]), test, nll_path) is None
     assert sweep.kept_result(str(tmp_path / "other"), TP, plan, test, nll_path) is None
+
+
+def test_compare_on_the_first_windows_of_a_longer_evaluation(tiny_llama_dir, tmp_path, capsys) -> None:
+    """benchmarks/recovery_compare.py ``@N``: the first N windows of a longer evaluation are the windows of an
+    N-window one (the model's ratio to itself there is exactly 1); against another model the ratio is its own;
+    files of other lengths, and N beyond a file, exit with the reason."""
+    import json
+
+    import pytest
+
+    sweep, compare = _benchmark(), _benchmark("recovery_compare")
+    src = resolve_model(str(tiny_llama_dir))
+    dense, drop = SyncPlan.uniform(2), SyncPlan.uniform(2, "drop")
+    test = _windows(src.config.vocab_size, 5, 16, seed=7)
+    long, short, other = tmp_path / "long.json", tmp_path / "short.json", tmp_path / "drop.json"
+    sweep.evaluate(str(tiny_llama_dir), TP, dense, test, long, chunk=2)
+    sweep.evaluate(str(tiny_llama_dir), TP, dense, test[:3], short, chunk=2)
+    sweep.evaluate(str(tiny_llama_dir), TP, drop, test[:3], other, chunk=2)
+    assert compare.main(["--out", str(tmp_path / "cmp"), "--pair", f"same={long}:{short}@3",
+                         "--pair", f"drop={other}:{long}@3"]) == 0
+    rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
+    assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-12) and not rows[0]["significant"]
+    a, b = (json.loads(p.read_text())["window_nll"][:3] for p in (other, long))
+    assert rows[1]["ratio"] == pytest.approx(math.exp((sum(a) - sum(b)) / 3), rel=1e-9)
+    for bad in (f"x={long}:{short}", f"x={long}:{short}@4", f"x={long}:{short}@0"):
+        with pytest.raises(SystemExit, match="--pair"):
+            compare.main(["--out", str(tmp_path / "bad"), "--pair", bad])
