@@ -169,7 +169,8 @@ recovery-gap: $(STAMP)
 		"hg+b2b 8x10=runs/recovery/tp3/bank_hg+b2b@0.5,hg+b2b 32x3=runs/recovery/tp3/bank_hg+b2b_n32_ep3_s512@0.5,hg+b2b 8x10 + e2e=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n64_ep1"
 
 # paired comparisons of the scans above on the same test windows (64; all 304 where named; TP=3, and TP=2 where
-# named) (results/recovery/tp3_compare.{json,md})
+# named; "first 64 windows": a 304-window evaluation's first 64, the 64-window runs' windows)
+# (results/recovery/tp3_compare.{json,md})
 R3 := results/recovery/tp3
 R2 := results/recovery/tp2
 recovery-compare: $(STAMP)
@@ -194,7 +195,10 @@ recovery-compare: $(STAMP)
 		--pair "sequential / plain HG+B2B 25% (8x10)=$(R3)/nll/hg+seq_f0.25.json:$(R3)/nll/hg+b2b_f0.25.json" \
 		$(foreach f,0.5 0.7,--pair "sequential / plain HG+B2B $(f) (8x10)=$(R3)/nll/hg+seq_f$(f).json:$(R3)/nll/hg+b2b_f$(f).json" \
 			--pair "sequential HG+B2B $(f) (8x10) / dense=$(R3)/nll/hg+seq_f$(f).json:$(R3)/nll/dense.json") \
-		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 B2B / HG+B2B $(f) (bank 8x10)=$(R2)/nll/b2b_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json")
+		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 B2B / HG+B2B $(f) (bank 8x10)=$(R2)/nll/b2b_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json") \
+		--pair "e2e 50%, the same valid text: 256 windows of 1024 / 512 of 512=$(R3)_bank32_e2e1024/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.5.json" \
+		--pair "e2e 100%, first 64 windows: 32x3 + 512 / 8x10 + 64 (make recovery)=$(R3)_full_e2e512/nll/hg+b2b+e2e_f1.json:$(R3)/nll/hg+b2b+e2e_f1.json@64" \
+		--pair "e2e 100%, first 64 windows: 32x3 + 512 / dense=$(R3)_full_e2e512/nll/hg+b2b+e2e_f1.json:$(R3)/nll/dense.json@64"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
