@@ -10,7 +10,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-tp2 zero-shot-recovery \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-tp2 \
+	zero-shot-recovery zero-shot-gutenberg \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
 $(STAMP): pyproject.toml Makefile
@@ -133,6 +134,17 @@ recovery-e2e512: $(STAMP)
 recovery-e2e1024: $(STAMP)
 	$(MAKE) recovery-e2e ES=1024 EN=256 EF=0.5 EOUT=e2e1024
 
+# Gutenberg for the end-to-end stage (issue 16 point 1): SPD 70%, the same number of windows as the 512-window
+# recipe, half of them WikiText-2 valid (the first 256) and half Gutenberg books (256 windows of 512, round robin
+# over the 16 books): does more varied text recover the zero-shot tasks (zero-shot-gutenberg), and at what cost in
+# WikiText-2 perplexity (against tp3_bank32_e2e512 in recovery-compare)?
+recovery-e2e-gutenberg: $(STAMP)
+	mkdir -p results/recovery/tp3_bank32_e2e256g256/nll; test -e results/recovery/tp3_bank32_e2e256g256/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e256g256/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 256 --e2e-gutenberg 256 --e2e-lr 3e-5 \
+		--out results/recovery/tp3_bank32_e2e256g256
+
 # one end-to-end recipe from the 32 x 3 bank on 64 test windows, then on all 304 (ES: window length, EN: windows,
 # EF: SPD fractions, EOUT: the results directories' suffix; EW=304: the 304-window step only, as the 100% point of
 # recovery-e2e512 and the recovery-e2e1024 point were run: the 64-window step would cost another 5 min each)
@@ -229,6 +241,14 @@ zero-shot-recovery: $(STAMP)
 	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
 		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512,e2e512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n512_ep1_n32_ep3_s512" \
 		--out results/zero_shot_recovery
+
+# dense and the Gutenberg-mixed SPD 70% model (make recovery-e2e-gutenberg) on the same 500 documents per task as
+# zero-shot-recovery; the per-task files under runs/ hold every document's accuracy and are committed, so the paired
+# differences can be recomputed (and new configurations added) without rescoring dense
+zero-shot-gutenberg: $(STAMP)
+	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
+		--model-dirs "e2e256+g256 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n256_ep1_g256_n32_ep3_s512" \
+		--out results/zero_shot_gutenberg
 
 lm-eval-parity: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity

@@ -44,6 +44,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -154,6 +155,21 @@ def kept_result(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path:
         return None
     done = d["window_nll"]
     return done if len(done) == windows.shape[0] else None
+
+
+def e2e_curve(model_dir: Path) -> dict[str, Any] | None:
+    """The end-to-end stage's record in ``model_dir``'s manifest (held-out KL before training and after each
+    epoch, the epoch kept, training windows, adapter, lr, seconds), or None when the directory is not there."""
+    man = model_dir / "syncdrop.json"
+    if not man.exists():
+        return None
+    d = json.loads(man.read_text()).get("distill", {})
+    st = d.get("e2e")
+    if not st:
+        return None
+    return {"heldout_curve": st["heldout_curve"], "selected_epoch": st["selected_epoch"], "seconds": st["seconds"],
+            "adapter": d.get("adapter"), "lr": d.get("lr"), "epochs": d.get("epochs"),
+            "train_windows": d.get("train_windows")}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -308,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     base_nll = evaluate(args.model, args.tp, SyncPlan.uniform(L), tw, out / "nll" / "dense.json", args.chunk)
     rows = []
     results = out / "recovery.json"
+    earlier = {(r["fraction"], r["method"]): r for r in
+               (json.loads(results.read_text()).get("rows", []) if results.exists() else [])}
     for f in fractions:
         plan = SyncPlan.dropping(L, sorted(order[: round(f * L)]))
         for m in methods:
@@ -326,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                     spec = str(spec_dir)
             if block is None or nll is None:
                 nll = evaluate(spec, args.tp, plan, tw, nll_path, args.chunk)
+            curve = e2e_curve(Path(spec)) if e2e else None
+            if e2e and curve is None:  # the model directory is gone: what the earlier run of this file recorded
+                curve = earlier.get((f, m), {}).get("e2e")
             ratio, ci = paired_ppl_ratio(nll, base_nll)
             bank = block is not None and BLOCK_METHODS[block][2]
             secs = {k: v for k, v in times.d.items()
@@ -334,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"fraction": f, "method": m, "dropped": plan.dropped, "ppl": math.exp(sum(nll) / len(nll)),
                          "ratio": ratio, "ratio_ci": list(ci) if ci else None, "windows": len(nll),
                          "stage_seconds": secs, "stage_conditions": {k: times.cond.get(k) for k in secs},
-                         "seconds_note": "the bank is distilled once for every block (all fractions)" if bank else ""})
+                         "seconds_note": "the bank is distilled once for every block (all fractions)" if bank else "",
+                         **({"e2e": curve} if curve else {})})
             log.info("F=%.2f %-14s ppl %.3f  x%.4f %s", f, m, rows[-1]["ppl"], ratio, ci)
             atomic_write_json(results, {"command": sys.argv, "provenance": provenance(), "rows": rows})
     dense = math.exp(sum(base_nll) / len(base_nll))

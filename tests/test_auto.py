@@ -22,6 +22,7 @@ import pytest
 from syncdrop.auto import pipeline
 from syncdrop.auto.pipeline import AutoSettings, Stages, _choose
 from syncdrop.cli import main
+from syncdrop.eval.data import load_text
 from syncdrop.models.loading import resolve_model
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -252,6 +253,18 @@ def test_recovery_budget_chooses_methods_and_the_report_says_what_they_cost(tiny
     assert all(r["ppl_distilled"] != r["ppl_zero_shot"] for r in ppl["rows"] if r["fraction"] > 0)
     report = (out / "report.md").read_text()
     assert "Recovery within --recovery-budget 1h" in report and "SPD 1: " in report
+    assert rec["e2e_windows"] == {"0.5": 1, "1": 1} and "end to end on 1 windows" in report
+
+    # the default, auto windows: an hour pays for every calibration window there is (the tiny text's windows
+    # of 32 tokens, less the block stage's held-out one), and each candidate trains on all of them
+    assert main(_auto_args(tiny_llama_dir, out, data, "--recovery-budget", "1h", "--max-ppl-increase", "1.0")) == 0
+    rec = json.loads((out / "distill.json").read_text())["recovery"]
+    text = load_text("auto:valid", str(data)).text
+    n = len(resolve_model(str(tiny_llama_dir)).load_tokenizer()(text, add_special_tokens=False)["input_ids"]) // 32 - 1
+    assert rec["e2e_windows"] == {"0.5": n, "1": n} and n > 8
+    dist = json.loads((out / "distill.json").read_text())
+    for key in ("0.5", "1"):
+        assert json.loads((Path(dist["models"][key]) / "syncdrop.json").read_text())["distill"]["train_windows"][0] == n
 
 
 def test_cost_model_not_fitted_recommends_dense(tiny_llama_dir, auto_env, tmp_path, monkeypatch, capsys) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -174,6 +175,7 @@ def test_recovery_budget_parsing_and_bad_budgets_exit_2(capsys) -> None:
             assert "--recovery-budget" in str(e)
     for args, message in ((["--recovery-budget", "soon"], "--recovery-budget 'soon'"),
                           (["--e2e-samples", "0"], "--e2e-samples must be at least 1"),
+                          (["--e2e-samples", "many"], "--e2e-samples 'many': expected a number of windows or auto"),
                           (["--e2e-lr", "0"], "--e2e-lr must be a positive number")):
         assert main(["auto", *args, "--out", "/tmp/never"]) == 2
         err = capsys.readouterr().err
@@ -182,20 +184,45 @@ def test_recovery_budget_parsing_and_bad_budgets_exit_2(capsys) -> None:
 
 def test_allocate_spends_the_budget_on_the_largest_candidates_first() -> None:
     """The block stage first (else all zero-shot); then end to end for the candidates that drop most."""
-    from syncdrop.spd.recovery import Candidate, allocate
+    from syncdrop.spd.recovery import Candidate, E2ECost, allocate
 
     cands = [Candidate("0", 0, 0), Candidate("0.5", 3, 2), Candidate("1", 6, 4)]
-    # block stage 100 s, each end-to-end run 50 s
-    full = allocate(200, cands, 100, 1.0, 10, 5.0)
+    # block stage 100 s, each end-to-end run 50 s (8 windows + 2 held-out forwards, 5 s each)
+    cost = E2ECost(5.0, epochs=1, held=1)
+    full = allocate(200, cands, 100, 1.0, cost, 8, 64)
     assert full.methods == {"0": "zs", "0.5": "b2b+e2e", "1": "b2b+e2e"} and full.total_s == 200
-    one = allocate(170, cands, 100, 1.0, 10, 5.0)
+    assert full.e2e_windows == {"0.5": 8, "1": 8}
+    one = allocate(170, cands, 100, 1.0, cost, 8, 64)
     assert one.methods == {"0": "zs", "0.5": "b2b", "1": "b2b+e2e"} and one.total_s == 150
     assert any("0.5" in n for n in one.notes)
-    none = allocate(99, cands, 100, 1.0, 10, 5.0)
+    none = allocate(99, cands, 100, 1.0, cost, 8, 64)
     assert set(none.methods.values()) == {"zs"} and not none.block_stage and "over the" in none.notes[0]
     # nothing tiered for B2B: end to end from the zero-shot blocks
-    zs_only = allocate(60, [Candidate("1", 6, 0)], 0, 0.0, 10, 5.0)
+    zs_only = allocate(60, [Candidate("1", 6, 0)], 0, 0.0, cost, 8, 64)
     assert zs_only.methods == {"1": "e2e"} and not zs_only.block_stage
+
+
+def test_auto_windows_spend_what_the_block_stage_leaves() -> None:
+    """windows=None: the candidates that drop most get the stage while each can have MIN_E2E_WINDOWS, then
+    share the time left equally (as many windows as fit, never more than there are), within the budget."""
+    from syncdrop.spd.recovery import MIN_E2E_WINDOWS, Candidate, E2ECost, allocate
+
+    cands = [Candidate("0", 0, 0), Candidate("0.5", 3, 2), Candidate("1", 6, 4)]
+    cost = E2ECost(2.0, epochs=1, held=1)  # n windows: (n + 2) x 2 s
+    both = allocate(100 + 2 * 2.0 * (40 + 2), cands, 100, 1.0, cost, None, 500)
+    assert both.e2e_windows == {"0.5": 40, "1": 40} and both.total_s == pytest.approx(both.budget_s)
+    # room for one candidate's minimum only: the one dropping most gets it all
+    one = allocate(100 + 2.0 * (MIN_E2E_WINDOWS + 2) + 10, cands, 100, 1.0, cost, None, 500)
+    assert one.e2e_windows == {"1": MIN_E2E_WINDOWS + 5} and one.methods["0.5"] == "b2b"
+    assert any("0.5" in n and f"{MIN_E2E_WINDOWS} windows" in n for n in one.notes)
+    # capped at the calibration windows there are; the rest of the budget is not spent
+    capped = allocate(10_000, cands, 100, 1.0, cost, None, 25)
+    assert capped.e2e_windows == {"0.5": 25, "1": 25} and capped.total_s < capped.budget_s
+    # fewer windows than the minimum: every one of them, and still within the budget
+    few = allocate(10_000, cands, 100, 1.0, cost, None, 3)
+    assert few.e2e_windows == {"0.5": 3, "1": 3}
+    for plan in (both, one, capped, few):
+        assert plan.total_s <= plan.budget_s + 1e-9
 
 
 def test_probes_run_real_steps(tiny_llama_dir, tmp_path) -> None:

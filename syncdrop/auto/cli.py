@@ -31,7 +31,10 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                    help="time for recovery training, e.g. 30m, 1h, 0 (default 10m): the block stage (B2B / HG+B2B) "
                         "first, then end-to-end distillation for the candidates that drop most, while the time "
                         "predicted from step times measured here fits; 0 = zero-shot only")
-    p.add_argument("--e2e-samples", type=int, default=16, help="end-to-end distillation windows (default 16)")
+    p.add_argument("--e2e-samples", default="auto",
+                   help="end-to-end distillation windows per candidate (default auto: as many as the recovery "
+                        "budget left after the block stage pays for, shared by the candidates that get the stage; "
+                        "more windows were worth more than more epochs, docs/spd.md)")
     p.add_argument("--e2e-epochs", type=int, default=1, help="end-to-end distillation epochs (default 1)")
     p.add_argument("--e2e-lr", type=float, default=3e-5,
                    help="end-to-end distillation learning rate (default 3e-5, scanned: docs/spd.md)")
@@ -71,8 +74,16 @@ def cmd_auto(args: argparse.Namespace) -> int:
     parse_duration(args.recovery_budget)
     if not args.e2e_lr > 0:
         raise SyncdropError(f"--e2e-lr must be a positive number, got {args.e2e_lr}")
+    e2e_samples = None
+    if str(args.e2e_samples).strip().lower() != "auto":
+        try:
+            e2e_samples = int(args.e2e_samples)
+        except ValueError:
+            raise SyncdropError(f"--e2e-samples {args.e2e_samples!r}: expected a number of windows or auto") from None
+        if e2e_samples < 1:
+            raise SyncdropError(f"--e2e-samples must be at least 1, got {e2e_samples}")
     for name in ("calib_samples", "seq_len", "distill_samples", "distill_epochs", "eval_windows", "zs_limit",
-                 "prompt_len", "decode_tokens", "reps", "max_reps", "e2e_samples", "e2e_epochs"):
+                 "prompt_len", "decode_tokens", "reps", "max_reps", "e2e_epochs"):
         if getattr(args, name) < 1:
             raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_reps < args.reps:
@@ -82,7 +93,7 @@ def cmd_auto(args: argparse.Namespace) -> int:
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
                      args.reps, args.data_dir, args.device, args.max_reps, args.engine,
-                     recovery_budget=args.recovery_budget, e2e_samples=args.e2e_samples, e2e_epochs=args.e2e_epochs,
+                     recovery_budget=args.recovery_budget, e2e_samples=e2e_samples, e2e_epochs=args.e2e_epochs,
                      e2e_lr=args.e2e_lr)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]

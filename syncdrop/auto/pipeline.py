@@ -56,6 +56,7 @@ from typing import Any
 from syncdrop.errors import SyncdropError
 
 log = logging.getLogger(__name__)
+E2E_MAX_WINDOWS = 2048  # auto end-to-end windows: at most this many read from the calibration text
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class AutoSettings:
     max_reps: int = 30
     engine: str = "syncdrop"  # where candidates are benchmarked: syncdrop's runtime, or vLLM (then exported)
     recovery_budget: str = "10m"  # time for recovery training (syncdrop.spd.recovery): block stage, then e2e
-    e2e_samples: int = 16
+    e2e_samples: int | None = None  # end-to-end windows per candidate; None: as many as the budget pays for
     e2e_epochs: int = 1
     e2e_lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md)
 
@@ -253,8 +254,11 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     bank = root / "distilled"
     n_trained = sum(t != "zs" for t in tiers.values())
     held = 1
-    data, w = _windows(source, calib or "auto:valid", s.seq_len, max(s.distill_samples, s.e2e_samples) + held,
-                       s.data_dir)
+    # auto windows: read up to E2E_MAX_WINDOWS, so that the budget, not this cap, decides (at least the
+    # block stage's windows and one end-to-end window must be there)
+    want = s.e2e_samples if s.e2e_samples is not None else E2E_MAX_WINDOWS
+    data, w = _windows(source, calib or "auto:valid", s.seq_len, max(s.distill_samples, want) + held, s.data_dir,
+                       required=max(s.distill_samples, s.e2e_samples or 1) + held)
     train_w, held_w = w[:-held], w[-held:]
     e2e_settings = E2ESettings(s.e2e_lr, s.e2e_epochs)
     e2e_settings.check()
@@ -268,7 +272,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
         budget, [recovery.Candidate(k, len(c["dropped"]), sum(t != "zs" for t in c["tiers"].values()))
                  for k, c in cands.items()],
         n_trained * s.distill_samples * s.distill_epochs, probes["block_step_s"],
-        s.e2e_samples * s.e2e_epochs + held * (s.e2e_epochs + 1), probes["e2e_step_s"])
+        recovery.E2ECost(probes["e2e_step_s"], s.e2e_epochs, held), s.e2e_samples, train_w.shape[0])
     probe_s = time.perf_counter() - t_start
     log.info("recovery plan (budget %s): %s", s.recovery_budget, rplan.methods)
     trained: dict[str, Any] = {}
@@ -293,7 +297,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
         if rplan.methods[key] in ("b2b+e2e", "e2e"):
             t0 = time.perf_counter()
             e2e_dir = root / "models" / f"spd{round(c['fraction'] * 100):03d}_e2e"
-            e2e_distill(str(d) if trained else s.model, s.tp, plan, train_w[: s.e2e_samples], held_w, e2e_dir,
+            e2e_distill(str(d) if trained else s.model, s.tp, plan, train_w[: rplan.e2e_windows[key]], held_w, e2e_dir,
                         e2e_settings, data.info(), progress=False, device=device)
             spent[key] = time.perf_counter() - t0
             models[key] = str(e2e_dir)

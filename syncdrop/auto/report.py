@@ -63,7 +63,9 @@ def _recovery(dist: dict[str, Any], plans: dict[str, Any]) -> list[str]:
     if not r:
         return []
     frac = {k: c["fraction"] for k, c in plans["candidates"].items()}
-    per = ", ".join(f"SPD {frac[k]:g}: {m}" + (f" ({r['e2e_measured_s'][k]:.0f} s end to end)"
+    wins = r.get("e2e_windows", {})
+    per = ", ".join(f"SPD {frac[k]:g}: {m}" + (f" ({r['e2e_measured_s'][k]:.0f} s end to end"
+                                                + (f" on {wins[k]} windows" if k in wins else "") + ")"
                                                 if k in r["e2e_measured_s"] else "")
                     for k, m in sorted(r["methods"].items(), key=lambda kv: frac[kv[0]]) if frac[k] > 0)
     p = r["probes"]
