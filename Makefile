@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-tp2 \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-lora-scan recovery-tp2 \
 	zero-shot-recovery zero-shot-gutenberg \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
@@ -144,6 +144,19 @@ recovery-e2e-gutenberg: $(STAMP)
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 256 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e256g256
+
+# LoRA for the end-to-end stage (rank 8, alpha 16) at SPD 50% from the 32 x 3 bank on 64 valid windows, three
+# learning rates (chosen by held-out KL): does a low-rank update overfit the calibration windows less than
+# training every weight (tp3_gap)? Against full e2e on the same windows (tp3_bank32) in recovery-compare
+LORA_LRS ?= 1e-4 3e-4 1e-3
+recovery-lora-scan: $(STAMP)
+	for lr in $(LORA_LRS); do d=results/recovery/tp3_lora_scan/lora_lr$$lr; mkdir -p $$d/nll; \
+		test -e $$d/nll/dense.json || cp results/recovery/tp3/nll/dense.json $$d/nll/ || exit 1; \
+		$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 64 \
+			--block-samples 32 --block-epochs 3 --e2e-samples 64 --e2e-adapter lora --e2e-lr $$lr --out $$d \
+			|| exit 1; done
+	$(BIN)/python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
+		--scan results/recovery/tp3_lora_scan --out results/recovery/tp3_lora_scan/scan
 
 # one end-to-end recipe from the 32 x 3 bank on 64 test windows, then on all 304 (ES: window length, EN: windows,
 # EF: SPD fractions, EOUT: the results directories' suffix; EW=304: the 304-window step only, as the 100% point of

@@ -1,6 +1,7 @@
-"""Summarise an end-to-end learning-rate scan of ``recovery_sweep.py`` runs: per e2e model directory
-(``--work``), the held-out KL curve and the epoch kept (from its manifest), and the perplexity ratio to
-dense with its interval where a sweep under ``--scan`` evaluated it.
+"""Summarise an end-to-end learning-rate scan of ``recovery_sweep.py`` runs: per e2e model, the held-out KL
+curve and the epoch kept, and the perplexity ratio to dense with its interval where a sweep under ``--scan``
+evaluated it. The curve comes from the sweep's ``recovery.json`` row where it recorded one, else from the
+model directory's manifest under ``--work`` (which a fresh clone does not have).
 
     python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \\
         --scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
@@ -25,18 +26,26 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     evaluated = {}
+    rows = []
     for root in args.scan:
-        for f in Path(root).rglob("recovery.json"):
+        for f in sorted(Path(root).rglob("recovery.json")):
             d = json.loads(f.read_text())
             s = d.get("settings", {})
             for r in d.get("rows", []):
                 if r["method"].endswith("+e2e") and r["fraction"] == args.fraction:
                     key = (s.get("e2e_adapter", "full"), float(s.get("e2e_lr", 0)), int(s.get("e2e_epochs", 1)))
                     evaluated[key] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
-    rows = []
+                    if "e2e" in r:  # the sweep recorded the stage's curve: no model directory needed
+                        e = r["e2e"]
+                        rows.append({"dir": next(iter(r["stage_seconds"]), "").removeprefix("e2e:"),
+                                     "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
+                                     "train_windows": e["train_windows"], "heldout_curve": e["heldout_curve"],
+                                     "selected_epoch": e["selected_epoch"], "seconds": e["seconds"],
+                                     **evaluated[key]})
+    recorded = {Path(r["dir"]).name for r in rows}
     for man in sorted(Path(args.work).glob(f"*+e2e_f{args.fraction:g}_*/syncdrop.json")):
-        if re.search(r"_b[0-9a-f]{8}$", man.parent.name):  # another drop order (recovery_sweep.py --profile)
-            continue
+        if re.search(r"_b[0-9a-f]{8}$", man.parent.name) or man.parent.name in recorded:
+            continue  # another drop order (recovery_sweep.py --profile), or already read from a results file
         m = json.loads(man.read_text())
         d = m["distill"]
         st = d["e2e"]
