@@ -298,3 +298,25 @@ def test_compare_on_the_first_windows_of_a_longer_evaluation(tiny_llama_dir, tmp
     for bad in (f"x={long}:{short}", f"x={long}:{short}@4", f"x={long}:{short}@0"):
         with pytest.raises(SystemExit, match="--pair"):
             compare.main(["--out", str(tmp_path / "bad"), "--pair", bad])
+
+
+def test_sweep_rows_carry_the_e2e_curve_and_the_scan_summary_keeps_its_file(tiny_llama_dir, tmp_path) -> None:
+    """benchmarks/recovery_sweep.py ``e2e_curve``: an end-to-end directory's held-out KL curve as its manifest
+    records it (start, then one value per epoch), None once the directory is gone; and
+    benchmarks/recovery_scan_summary.py leaves an existing summary alone when it finds no curve at all."""
+    import json
+    import shutil
+
+    sweep, summary = _benchmark(), _benchmark("recovery_scan_summary")
+    made = _e2e(str(tiny_llama_dir), tmp_path / "e2e")
+    curve = sweep.e2e_curve(tmp_path / "e2e")
+    st = made["distill"]["e2e"]
+    assert curve["heldout_curve"] == st["heldout_curve"]
+    assert len(curve["heldout_curve"]) == made["distill"]["epochs"] + 1
+    assert curve["selected_epoch"] == st["selected_epoch"] and curve["adapter"] == made["distill"]["adapter"]
+    shutil.rmtree(tmp_path / "e2e")
+    assert sweep.e2e_curve(tmp_path / "e2e") is None
+    out = tmp_path / "scan"
+    (tmp_path / "scan.json").write_text(json.dumps({"rows": ["earlier"]}))
+    assert summary.main(["--work", str(tmp_path / "none"), "--scan", str(tmp_path), "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "scan.json").read_text()) == {"rows": ["earlier"]}
