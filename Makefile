@@ -223,7 +223,11 @@ recovery-compare: $(STAMP)
 		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 B2B / HG+B2B $(f) (bank 8x10)=$(R2)/nll/b2b_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json") \
 		--pair "e2e 50%, the same valid text: 256 windows of 1024 / 512 of 512=$(R3)_bank32_e2e1024/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.5.json" \
 		--pair "e2e 100%, first 64 windows: 32x3 + 512 / 8x10 + 64 (make recovery)=$(R3)_full_e2e512/nll/hg+b2b+e2e_f1.json:$(R3)/nll/hg+b2b+e2e_f1.json@64" \
-		--pair "e2e 100%, first 64 windows: 32x3 + 512 / dense=$(R3)_full_e2e512/nll/hg+b2b+e2e_f1.json:$(R3)/nll/dense.json@64"
+		--pair "e2e 100%, first 64 windows: 32x3 + 512 / dense=$(R3)_full_e2e512/nll/hg+b2b+e2e_f1.json:$(R3)/nll/dense.json@64" \
+		$(foreach lr,1e-4 3e-4 1e-3,--pair "e2e 50% (32x3, 64 windows): LoRA lr $(lr) / full lr 3e-5=$(R3)_lora_scan/lora_lr$(lr)/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json") \
+		--pair "e2e 70% (32x3): 256 valid + 256 Gutenberg / 512 valid windows=$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "e2e 70% (32x3): 256 valid + 256 Gutenberg / 128 valid windows=$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "sequential / plain HG+B2B 1 (8x10)=$(R3)/nll/hg+seq_f1.json:$(R3)/nll/hg+b2b_f1.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
