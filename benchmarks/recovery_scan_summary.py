@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -25,34 +24,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scan", nargs="+", required=True, help="result folders holding recovery.json files")
     ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = ap.parse_args(argv)
-    evaluated = {}
+    evaluated: dict[str, dict] = {}  # e2e model directory name -> its evaluation
+    named: set[str] = set()  # every e2e directory a scanned sweep trained at this fraction
     rows = []
+    tag = f"+e2e_f{args.fraction:g}_"
     for root in args.scan:
         for f in sorted(Path(root).rglob("recovery.json")):
             d = json.loads(f.read_text())
-            s = d.get("settings", {})
+            named.update(k.removeprefix("e2e:") for k in d.get("times", {}) if k.startswith("e2e:") and tag in k)
             for r in d.get("rows", []):
-                if r["method"].endswith("+e2e") and r["fraction"] == args.fraction:
-                    key = (s.get("e2e_adapter", "full"), float(s.get("e2e_lr", 0)), int(s.get("e2e_epochs", 1)))
-                    evaluated[key] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
-                    if "e2e" in r:  # the sweep recorded the stage's curve: no model directory needed
-                        e = r["e2e"]
-                        rows.append({"dir": next(iter(r["stage_seconds"]), "").removeprefix("e2e:"),
-                                     "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
-                                     "train_windows": e["train_windows"], "heldout_curve": e["heldout_curve"],
-                                     "selected_epoch": e["selected_epoch"], "seconds": e["seconds"],
-                                     **evaluated[key]})
-    recorded = {Path(r["dir"]).name for r in rows}
-    for man in sorted(Path(args.work).glob(f"*+e2e_f{args.fraction:g}_*/syncdrop.json")):
-        if re.search(r"_b[0-9a-f]{8}$", man.parent.name) or man.parent.name in recorded:
-            continue  # another drop order (recovery_sweep.py --profile), or already read from a results file
+                if not (r["method"].endswith("+e2e") and r["fraction"] == args.fraction):
+                    continue
+                nll = f.parent / "nll" / f"{r['method']}_f{r['fraction']:g}.json"
+                if not nll.exists():
+                    continue
+                name = Path(json.loads(nll.read_text())["key"]["model"]).name  # the model the sweep evaluated
+                named.add(name)
+                evaluated[name] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
+                if "e2e" in r:  # the sweep recorded the stage's curve: no model directory needed
+                    e = r["e2e"]
+                    rows.append({"dir": name, "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
+                                 "train_windows": e["train_windows"], "heldout_curve": e["heldout_curve"],
+                                 "selected_epoch": e["selected_epoch"], "seconds": e["seconds"],
+                                 **evaluated[name]})
+    recorded = {r["dir"] for r in rows}
+    for man in sorted(Path(args.work).glob(f"*{tag}*/syncdrop.json")):
+        name = man.parent.name
+        if name not in named or name in recorded:
+            continue  # trained by a sweep not scanned here (another recipe), or already read from a results file
         m = json.loads(man.read_text())
         d = m["distill"]
         st = d["e2e"]
         row = {"dir": str(man.parent), "adapter": d["adapter"], "lr": d["lr"], "epochs": d["epochs"],
                "train_windows": d["train_windows"], "heldout_curve": st["heldout_curve"],
                "selected_epoch": st["selected_epoch"], "seconds": st["seconds"]}
-        row.update(evaluated.get((d["adapter"], float(d["lr"]), int(d["epochs"])), {}))
+        row.update(evaluated.get(name, {}))
         rows.append(row)
     rows.sort(key=lambda r: (r["adapter"], r["lr"], r["epochs"]))
     if not rows and Path(args.out + ".json").exists():

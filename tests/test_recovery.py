@@ -308,7 +308,13 @@ def test_sweep_rows_carry_the_e2e_curve_and_the_scan_summary_keeps_its_file(tiny
     import shutil
 
     sweep, summary = _benchmark(), _benchmark("recovery_scan_summary")
-    made = _e2e(str(tiny_llama_dir), tmp_path / "e2e")
+    made = _e2e(str(tiny_llama_dir), tmp_path / "work" / "b2b+e2e_f1_full")
+    # a model directory that no scanned sweep trained is another recipe's: not listed
+    (tmp_path / "results").mkdir()
+    assert summary.main(["--work", str(tmp_path / "work"), "--fraction", "1", "--scan", str(tmp_path / "results"),
+                         "--out", str(tmp_path / "other")]) == 0
+    assert json.loads((tmp_path / "other.json").read_text())["rows"] == []
+    shutil.move(tmp_path / "work" / "b2b+e2e_f1_full", tmp_path / "e2e")
     curve = sweep.e2e_curve(tmp_path / "e2e")
     st = made["distill"]["e2e"]
     assert curve["heldout_curve"] == st["heldout_curve"]
