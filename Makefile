@@ -259,11 +259,11 @@ zero-shot-recovery: $(STAMP)
 		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512,e2e512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n512_ep1_n32_ep3_s512" \
 		--out results/zero_shot_recovery
 
-# dense and the Gutenberg-mixed SPD 70% model (make recovery-e2e-gutenberg) on the same 500 documents per task as
-# zero-shot-recovery; the per-task files under runs/ hold every document's accuracy and are committed, so the paired
-# differences can be recomputed (and new configurations added) without rescoring dense
+# dense, SPD 50% without training, and the Gutenberg-mixed SPD 70% model (make recovery-e2e-gutenberg) on the same
+# 500 documents per task as zero-shot-recovery; the per-task files under runs/ hold every document's accuracy and are
+# committed, so the paired differences can be recomputed (and new configurations added) without rescoring dense
 zero-shot-gutenberg: $(STAMP)
-	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
+	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions 0.5 --variants zs --limit 500 --mmlu-limit 9 \
 		--model-dirs "e2e256+g256 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n256_ep1_g256_n32_ep3_s512" \
 		--out results/zero_shot_gutenberg
 

@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="results/spd_sweep_tp3/profile.json")
     ap.add_argument("--fractions", default="0.5,0.7,1.0",
                     help="SPD fractions evaluated zero-shot and with the HG+B2B bank (empty: none)")
+    ap.add_argument("--variants", default="zs,hg+b2b",
+                    help="what runs at each of --fractions: zs (the plan's blocks zero-shot), hg+b2b (the HG+B2B "
+                         "bank's blocks; trains the bank), or both (default)")
     ap.add_argument("--model-dirs", default="",
                     help="further configurations NAME=DIR,...: `syncdrop distill` directories run under their own "
                          "plan (e.g. the best recovery at 50%% and 70%%); NAME labels the row")
@@ -151,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     calib = load_text("wikitext2:valid")
     cw = text_windows(source.load_tokenizer(), calib.text, args.seq_len, args.calib_samples + args.calib_heldout,
                       "wikitext2:valid")
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or set(variants) - {"zs", "hg+b2b"}:
+        raise SystemExit(f"--variants {args.variants!r}: expected zs, hg+b2b or both, comma-separated")
     bank = out / "bank"
-    if fractions:
+    if fractions and "hg+b2b" in variants:
         distill(source, args.tp, SyncPlan.uniform(L, "drop"), dict.fromkeys(range(L), "hg+b2b"),
                 cw[: args.calib_samples], cw[args.calib_samples:], bank,
                 DistillSettings(args.lr, args.epochs, 1, 0.0, 0, "group", "shard", keep_best=True),
@@ -164,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"spd{round(f * 100):03d}"
         plan_path = out / "plans" / f"{tag}.json"
         plan.save(plan_path)
-        write_subset(out / "models" / tag, bank, plan, base_spec(args.model), args.tp)
-        configs[f"{tag}_zs"] = (args.model, str(plan_path), f, "zero-shot")
-        configs[f"{tag}_hg+b2b"] = (str(out / "models" / tag), None, f, "hg+b2b")
+        if "zs" in variants:
+            configs[f"{tag}_zs"] = (args.model, str(plan_path), f, "zero-shot")
+        if "hg+b2b" in variants:
+            write_subset(out / "models" / tag, bank, plan, base_spec(args.model), args.tp)
+            configs[f"{tag}_hg+b2b"] = (str(out / "models" / tag), None, f, "hg+b2b")
     for name, d in extra.items():
         configs[name] = (d, None, len(resolve_model(d).spd.plan.dropped) / L, name)
 
