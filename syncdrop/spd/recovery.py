@@ -128,7 +128,8 @@ def allocate(budget_s: float, candidates: list[Candidate], block_steps: int, blo
     if least < 1:
         plan.notes.append("no calibration windows left for end-to-end distillation")
         return plan
-    chosen = order[: max(0, min(len(order), math.floor(left / e2e.seconds(least)) if e2e.step_s > 0 else len(order)))]
+    fit = math.floor(left / e2e.seconds(least)) if e2e.step_s > 0 else len(order)  # candidates whose least fits
+    chosen = order[: min(len(order), fit)]
     each = windows if windows is not None else (
         min(available, e2e.windows_within(left / len(chosen))) if chosen else 0)
     for c in chosen:
