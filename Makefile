@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-lora-scan recovery-tp2 \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-lora-scan recovery-tp2 \
 	zero-shot-recovery zero-shot-gutenberg \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
@@ -93,7 +93,7 @@ recovery: $(STAMP)
 # the same sweep at TP=2 (syncdrop's uneven layout: 5 + 4 query heads), its own profile and banks
 # (runs/recovery/tp2, results/recovery/tp2)
 recovery-tp2: $(STAMP)
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 2 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e \
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 2 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp2
 
 # the end-to-end learning-rate scan at SPD 50% (the bank and the dense evaluation of `make recovery` reused)
@@ -144,6 +144,16 @@ recovery-e2e-gutenberg: $(STAMP)
 	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 256 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e256g256
+
+# Gutenberg *added to* the 512 WikiText-2 valid windows (issue 16, the one calibration lever left): SPD 70%, the 32 x 3
+# bank, end to end on 768 windows of 512 (all 512 valid ones of recovery-e2e512, then 256 Gutenberg windows, the same
+# ones as recovery-e2e-gutenberg). Against tp3_bank32_e2e512 (valid only) and tp3_bank32_e2e256g256 in recovery-compare
+recovery-e2e512-gutenberg: $(STAMP)
+	mkdir -p results/recovery/tp3_bank32_e2e512g256/nll; test -e results/recovery/tp3_bank32_e2e512g256/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512g256/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-gutenberg 256 --e2e-lr 3e-5 \
+		--out results/recovery/tp3_bank32_e2e512g256
 
 # LoRA for the end-to-end stage (rank 8, alpha 16) at SPD 50% from the 32 x 3 bank on 64 valid windows, three
 # learning rates (chosen by held-out KL): does a low-rank update overfit the calibration windows less than

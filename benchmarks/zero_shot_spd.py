@@ -99,6 +99,25 @@ def _eval_config(name: str, spec: str, tp: int, plan: str | None, tasks: list[st
     return res
 
 
+def _kept_config(name: str, spec: str, tasks: list[str], limit: int, mmlu_limit: int,
+                 out: Path) -> dict[str, Any] | None:
+    """A ``--model-dirs`` configuration whose directory is gone (a fresh clone: model directories are not
+    committed) but whose per-task files are: ``out/runs/<name>/<task>.json`` for every task, each scored from
+    ``spec`` at this limit. Returns :func:`_eval_config`'s result from those files, or None when any is missing
+    or was scored from another directory or limit (its manifest cannot be checked: the directory is gone)."""
+    res: dict[str, Any] = {"tasks": {}, "seconds": {}}
+    for task in tasks:
+        path = out / "runs" / name / f"{task}.json"
+        lim = mmlu_limit if task == "mmlu" else limit
+        d = json.loads(path.read_text()) if path.exists() else {}
+        k = d.get("key", {})
+        if (k.get("spec"), k.get("task"), k.get("limit")) != (spec, task, lim):
+            return None
+        res["tasks"][task], res["seconds"][task] = d["metrics"], d["seconds"]
+        res.update(plan=d["plan"], plan_summary=d["plan_summary"])
+    return res
+
+
 def _paired(dense: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
     """Mean per-document accuracy difference (other - dense) and its standard error (the 95% interval
     is the mean +- 1.96 standard errors: a normal approximation, good at hundreds of documents)."""
@@ -139,10 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     data_root = check_data(tasks, None)
     fractions = [float(f) for f in args.fractions.split(",") if f]
     extra: dict[str, str] = {}
+    kept: dict[str, dict[str, Any]] = {}  # --model-dirs whose directory is gone, from their committed files
     for item in filter(None, args.model_dirs.split(",")):
         name, sep, d = item.partition("=")
-        if not sep or not name or not (Path(d) / "syncdrop.json").is_file():
-            raise SystemExit(f"--model-dirs: expected NAME=DIR with DIR a `syncdrop distill` directory, got {item!r}")
+        if sep and name and not (Path(d) / "syncdrop.json").is_file():
+            if (r := _kept_config(name, d, tasks, args.limit, args.mmlu_limit, out)) is not None:
+                log.info("%s: kept the per-task results of %s (its directory is gone; not rescored)", name, d)
+                kept[name] = r
+        if not sep or not name or not ((Path(d) / "syncdrop.json").is_file() or name in kept):
+            raise SystemExit(f"--model-dirs: expected NAME=DIR with DIR a `syncdrop distill` directory, got {item!r}"
+                             f" (and no scored results of it under {out / 'runs' / name})")
         extra[name] = d
     source = resolve_model(args.model)
     cfg = source.config
@@ -176,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             write_subset(out / "models" / tag, bank, plan, base_spec(args.model), args.tp)
             configs[f"{tag}_hg+b2b"] = (str(out / "models" / tag), None, f, "hg+b2b")
     for name, d in extra.items():
-        configs[name] = (d, None, len(resolve_model(d).spd.plan.dropped) / L, name)
+        plan_dropped = (SyncPlan.from_dict(kept[name]["plan"], L).dropped if name in kept
+                        else resolve_model(d).spd.plan.dropped)
+        configs[name] = (d, None, len(plan_dropped) / L, name)
 
     settings = {"model": source.name, "tp": args.tp, "tasks": tasks, "limit": args.limit,
                 "mmlu_limit": args.mmlu_limit, "num_fewshot": 0, "executor": "simulated", "dtype": "float32",
@@ -190,12 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         # what this configuration's numbers depend on (dense: not the drop order or the bank's settings)
         key = {k: settings[k] for k in ("model", "tp", "num_fewshot", "executor", "dtype", "batch_size")}
         key.update(config=name, spec=spec, plan_arg=plan_arg)
-        if name in extra:
-            key["manifest_sha256"] = hashlib.sha256((Path(spec) / "syncdrop.json").read_bytes()).hexdigest()
-        elif name != "dense":
-            key.update(drop_order=order, distill=settings["distill"])
-        r = _eval_config(name, spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root,
-                         args.batch_size, out, key)
+        if name in kept:
+            r = kept[name]
+        else:
+            if name in extra:
+                key["manifest_sha256"] = hashlib.sha256((Path(spec) / "syncdrop.json").read_bytes()).hexdigest()
+            elif name != "dense":
+                key.update(drop_order=order, distill=settings["distill"])
+            r = _eval_config(name, spec, args.tp, plan_arg, tasks, args.limit, args.mmlu_limit, data_root,
+                             args.batch_size, out, key)
         label = "dense" if name == "dense" else (f"{name} (SPD {f:.0%}, {Path(spec).name})" if name in extra
                                                  else f"SPD {f:.0%} {variant}")
         runs[name] = {"fraction": f, "variant": variant, "label": label, "spec": spec, **r}
