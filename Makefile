@@ -145,13 +145,15 @@ recovery-e2e-gutenberg: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 256 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e256g256
 
-# Gutenberg *added to* the 512 WikiText-2 valid windows (issue 16, the one calibration lever left): SPD 70%, the 32 x 3
-# bank, end to end on 768 windows of 512 (all 512 valid ones of recovery-e2e512, then 256 Gutenberg windows, the same
-# ones as recovery-e2e-gutenberg). Against tp3_bank32_e2e512 (valid only) and tp3_bank32_e2e256g256 in recovery-compare
+# Gutenberg *added to* the 512 WikiText-2 valid windows (issue 16, the one calibration lever left): SPD 50% and 70%
+# (EGF: two calls with one fraction each can run side by side, then one with both writes the table), the 32 x 3 bank,
+# end to end on 768 windows of 512 (all 512 valid ones of recovery-e2e512, then 256 Gutenberg windows, the same ones
+# as recovery-e2e-gutenberg). Against tp3_bank32_e2e512 (valid only) and tp3_bank32_e2e256g256 in recovery-compare
+EGF ?= 0.5,0.7
 recovery-e2e512-gutenberg: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2e512g256/nll; test -e results/recovery/tp3_bank32_e2e512g256/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512g256/nll/
-	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions $(EGF) --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e512g256
 

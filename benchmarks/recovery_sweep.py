@@ -94,7 +94,8 @@ class Times:
     """``OUT/times.json``: seconds of each completed stage, written as each one ends. Beside it,
     ``OUT/times_conditions.json`` says what each stage ran with: torch's intra-op threads and the machine's
     1-minute load average at its start and end (a load above the threads means another job shared the cores,
-    so that time is not comparable with a stage that ran alone)."""
+    so that time is not comparable with a stage that ran alone). Sweeps that share an ``OUT`` (two fractions run
+side by side) each add their stages to the files as they are on disk when a stage ends."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -106,7 +107,12 @@ class Times:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         out = fn()
         if record and key not in self.d:
-            self.d[key] = time.perf_counter() - t0
+            secs = time.perf_counter() - t0
+            # merged into what is on disk now: another sweep into the same OUT may have written since we read it
+            for attr, path in (("d", self.path), ("cond", self.cond_path)):
+                if path.exists():
+                    setattr(self, attr, {**json.loads(path.read_text()), **getattr(self, attr)})
+            self.d[key] = secs
             self.cond[key] = {"threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                               "loadavg_1min_start": round(load0, 2), "loadavg_1min_end": round(os.getloadavg()[0], 2)}
             atomic_write_json(self.cond_path, self.cond)
