@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env ablation ablation-64 bench-forward spd-sweep lr-scan caat-ablation caat-ablation-seed1 \
 	caat-latency lm-eval-parity zero-shot-spd latency cost-model recovery recovery-lr-scan recovery-calib \
-	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-lora-scan recovery-tp2 \
+	recovery-order recovery-gap recovery-compare recovery-full recovery-e2e512 recovery-e2e1024 recovery-e2e recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan recovery-tp2 \
 	zero-shot-recovery zero-shot-gutenberg \
 	launch-stress gpu-check gpu-check-dry vllm-latency clean
 
@@ -157,6 +157,16 @@ recovery-e2e512-gutenberg: $(STAMP)
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e512g256
 
+# the other end of the mix: Gutenberg books only (512 windows of 512, the first 256 being recovery-e2e-gutenberg's),
+# no WikiText-2 text, SPD 70%: how much task accuracy (zero-shot-gutenberg) the book text buys, and what it costs in
+# WikiText-2 perplexity
+recovery-e2e-gutenberg-only: $(STAMP)
+	mkdir -p results/recovery/tp3_bank32_e2eg512/nll; test -e results/recovery/tp3_bank32_e2eg512/nll/dense.json \
+		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2eg512/nll/
+	$(BIN)/python benchmarks/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+		--block-samples 32 --block-epochs 3 --e2e-samples 0 --e2e-gutenberg 512 --e2e-lr 3e-5 \
+		--out results/recovery/tp3_bank32_e2eg512
+
 # LoRA for the end-to-end stage (rank 8, alpha 16) at SPD 50% from the 32 x 3 bank on 64 valid windows, three
 # learning rates (chosen by held-out KL): does a low-rank update overfit the calibration windows less than
 # training every weight (tp3_gap)? Against full e2e on the same windows (tp3_bank32) in recovery-compare
@@ -239,7 +249,14 @@ recovery-compare: $(STAMP)
 		$(foreach lr,1e-4 3e-4 1e-3,--pair "e2e 50% (32x3, 64 windows): LoRA lr $(lr) / full lr 3e-5=$(R3)_lora_scan/lora_lr$(lr)/nll/hg+b2b+e2e_f0.5.json:$(R3)_bank32/nll/hg+b2b+e2e_f0.5.json") \
 		--pair "e2e 70% (32x3): 256 valid + 256 Gutenberg / 512 valid windows=$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.7.json" \
 		--pair "e2e 70% (32x3): 256 valid + 256 Gutenberg / 128 valid windows=$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e128/nll/hg+b2b+e2e_f0.7.json" \
-		--pair "sequential / plain HG+B2B 1 (8x10)=$(R3)/nll/hg+seq_f1.json:$(R3)/nll/hg+b2b_f1.json"
+		--pair "sequential / plain HG+B2B 1 (8x10)=$(R3)/nll/hg+seq_f1.json:$(R3)/nll/hg+b2b_f1.json" \
+		$(foreach f,0.25 0.5 0.7 1,--pair "TP=2 sequential / plain HG+B2B $(f) (8x10)=$(R2)/nll/hg+seq_f$(f).json:$(R2)/nll/hg+b2b_f$(f).json") \
+		$(foreach f,0.5 0.7,--pair "e2e $(f) (32x3): 512 valid + 256 Gutenberg / 512 valid windows=$(R3)_bank32_e2e512g256/nll/hg+b2b+e2e_f$(f).json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f$(f).json" \
+			--pair "e2e $(f) (32x3): 512 valid + 256 Gutenberg / dense=$(R3)_bank32_e2e512g256/nll/hg+b2b+e2e_f$(f).json:$(R3)/nll/dense.json") \
+		--pair "e2e 0.7 (32x3): 512 Gutenberg / 256 valid + 256 Gutenberg=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "e2e 0.7 (32x3): 512 Gutenberg / 512 valid=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "e2e 0.7 (32x3): 512 Gutenberg / dense=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)/nll/dense.json" \
+		--pair "e2e 0.7 (32x3): 512 valid + 256 Gutenberg / 256 valid + 256 Gutenberg=$(R3)_bank32_e2e512g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json"
 
 lr-scan: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 \
@@ -271,13 +288,16 @@ zero-shot-recovery: $(STAMP)
 		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512,e2e512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n512_ep1_n32_ep3_s512" \
 		--out results/zero_shot_recovery
 
-# dense, SPD 50% without training, and the Gutenberg-mixed SPD 70% model (make recovery-e2e-gutenberg) on the same
-# 500 documents per task as zero-shot-recovery; the per-task files under runs/ hold every document's accuracy and are
-# committed, so the paired differences can be recomputed (and new configurations added) without rescoring dense
+# dense, SPD 50% without training, and the SPD 70% models trained end to end on Gutenberg text (make
+# recovery-e2e-gutenberg: half of it; recovery-e2e-gutenberg-only: all of it) on the same 500 documents per task as
+# zero-shot-recovery; the per-task files under runs/ hold every document's accuracy and are committed, so the paired
+# differences can be recomputed (and new configurations added) without rescoring dense, and a fresh clone, which has
+# no model directories, rebuilds the table from them
+ZS_G256 := e2e256+g256 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n256_ep1_g256_n32_ep3_s512
+ZS_G512 := e2e g512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n0_ep1_g512_n32_ep3_s512
 zero-shot-gutenberg: $(STAMP)
 	$(BIN)/python benchmarks/zero_shot_spd.py --tp 3 --fractions 0.5 --variants zs --limit 500 --mmlu-limit 9 \
-		--model-dirs "e2e256+g256 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n256_ep1_g256_n32_ep3_s512" \
-		--out results/zero_shot_gutenberg
+		--model-dirs "$(ZS_G256),$(ZS_G512)" --out results/zero_shot_gutenberg
 
 lm-eval-parity: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/lm_eval_parity.py --limit 20 --out results/lm_eval_parity
