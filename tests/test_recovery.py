@@ -326,3 +326,42 @@ def test_sweep_rows_carry_the_e2e_curve_and_the_scan_summary_keeps_its_file(tiny
     (tmp_path / "scan.json").write_text(json.dumps({"rows": ["earlier"]}))
     assert summary.main(["--work", str(tmp_path / "none"), "--scan", str(tmp_path), "--out", str(out)]) == 0
     assert json.loads((tmp_path / "scan.json").read_text()) == {"rows": ["earlier"]}
+
+
+def test_two_sweeps_into_one_out_keep_both_stage_times(tmp_path) -> None:
+    """benchmarks/recovery_sweep.py ``Times``: two sweeps that share an OUT (two fractions side by side) both
+    read the files before either stage ends; each stage's time survives the other's write, and a stage that is
+    already on disk is not timed again."""
+    import json
+
+    sweep = _benchmark()
+    a, b = sweep.Times(tmp_path / "times.json"), sweep.Times(tmp_path / "times.json")
+    a.run("e2e:f0.7", lambda: None)
+    b.run("e2e:f0.5", lambda: None)
+    times = json.loads((tmp_path / "times.json").read_text())
+    cond = json.loads((tmp_path / "times_conditions.json").read_text())
+    assert set(times) == set(cond) == {"e2e:f0.7", "e2e:f0.5"}
+    first = times["e2e:f0.7"]
+    b.run("e2e:f0.7", lambda: None)  # b has read a's stage: kept as it was
+    assert json.loads((tmp_path / "times.json").read_text())["e2e:f0.7"] == first
+
+
+def test_zero_shot_keeps_a_gone_model_directory_from_its_task_files(tmp_path) -> None:
+    """benchmarks/zero_shot_spd.py: a ``--model-dirs`` configuration whose directory is gone is rebuilt from
+    its per-task files only when every task is there, scored from that directory at these limits."""
+    import json
+
+    zs = _benchmark("zero_shot_spd")
+    spec, tasks = "runs/gone", ["sciq", "mmlu"]
+    for task, lim in (("sciq", 500), ("mmlu", 9)):
+        path = tmp_path / "runs" / "cfg" / f"{task}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": {"spec": spec, "task": task, "limit": lim},
+                                    "metrics": {"acc": 0.5, "n": 2, "doc_acc": {"0": 1, "1": 0}}, "seconds": 1.0,
+                                    "plan": {"blocks": [{"attn": "drop"}, {}]}, "plan_summary": "1/2 dropped"}))
+    kept = zs._kept_config("cfg", spec, tasks, 500, 9, tmp_path)
+    assert kept is not None and set(kept["tasks"]) == set(tasks) and kept["plan_summary"] == "1/2 dropped"
+    assert SyncPlan.from_dict(kept["plan"], 2).dropped == [0]
+    assert zs._kept_config("cfg", "runs/other", tasks, 500, 9, tmp_path) is None  # another directory's
+    assert zs._kept_config("cfg", spec, tasks, 100, 9, tmp_path) is None  # another limit
+    assert zs._kept_config("cfg", spec, [*tasks, "piqa"], 500, 9, tmp_path) is None  # a task missing
