@@ -255,6 +255,7 @@ recovery-compare: $(STAMP)
 			--pair "e2e $(f) (32x3): 512 valid + 256 Gutenberg / dense=$(R3)_bank32_e2e512g256/nll/hg+b2b+e2e_f$(f).json:$(R3)/nll/dense.json") \
 		--pair "e2e 0.7 (32x3): 512 Gutenberg / 256 valid + 256 Gutenberg=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json" \
 		--pair "e2e 0.7 (32x3): 512 Gutenberg / 512 valid=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e512/nll/hg+b2b+e2e_f0.7.json" \
+		--pair "e2e 0.7 (32x3): 512 Gutenberg / HG+B2B bank 32x3 alone=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e128/nll/hg+b2b_f0.7.json" \
 		--pair "e2e 0.7 (32x3): 512 Gutenberg / dense=$(R3)_bank32_e2eg512/nll/hg+b2b+e2e_f0.7.json:$(R3)/nll/dense.json" \
 		--pair "e2e 0.7 (32x3): 512 valid + 256 Gutenberg / 256 valid + 256 Gutenberg=$(R3)_bank32_e2e512g256/nll/hg+b2b+e2e_f0.7.json:$(R3)_bank32_e2e256g256/nll/hg+b2b+e2e_f0.7.json"
 
