@@ -95,7 +95,7 @@ class Times:
     ``OUT/times_conditions.json`` says what each stage ran with: torch's intra-op threads and the machine's
     1-minute load average at its start and end (a load above the threads means another job shared the cores,
     so that time is not comparable with a stage that ran alone). Sweeps that share an ``OUT`` (two fractions run
-side by side) each add their stages to the files as they are on disk when a stage ends."""
+    side by side) each add their stages to the files as they are on disk when a stage ends."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

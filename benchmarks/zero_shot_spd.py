@@ -80,9 +80,8 @@ def _eval_config(name: str, spec: str, tp: int, plan: str | None, tasks: list[st
         lim = mmlu_limit if task == "mmlu" else limit
         path = out / "runs" / name / f"{task}.json"
         tkey = {**key, "task": task, "limit": lim}
-        if path.exists() and (d := json.loads(path.read_text())).get("key") == tkey:
-            res["tasks"][task], res["seconds"][task] = d["metrics"], d["seconds"]
-            res.update(plan=d["plan"], plan_summary=d["plan_summary"])
+        if (d := _stored_task(path)).get("key") == tkey:
+            _take_stored(res, task, d)
             continue
         if lm is None:
             built = build(spec, tp, plan, executor="simulated", progress=False)
@@ -107,15 +106,24 @@ def _kept_config(name: str, spec: str, tasks: list[str], limit: int, mmlu_limit:
     or was scored from another directory or limit (its manifest cannot be checked: the directory is gone)."""
     res: dict[str, Any] = {"tasks": {}, "seconds": {}}
     for task in tasks:
-        path = out / "runs" / name / f"{task}.json"
         lim = mmlu_limit if task == "mmlu" else limit
-        d = json.loads(path.read_text()) if path.exists() else {}
+        d = _stored_task(out / "runs" / name / f"{task}.json")
         k = d.get("key", {})
         if (k.get("spec"), k.get("task"), k.get("limit")) != (spec, task, lim):
             return None
-        res["tasks"][task], res["seconds"][task] = d["metrics"], d["seconds"]
-        res.update(plan=d["plan"], plan_summary=d["plan_summary"])
+        _take_stored(res, task, d)
     return res
+
+
+def _stored_task(path: Path) -> dict[str, Any]:
+    """One finished task's file (``{key, metrics, seconds, plan, plan_summary, provenance}``), or {}."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _take_stored(res: dict[str, Any], task: str, d: dict[str, Any]) -> None:
+    """Put a stored task's metrics, time and plan into a configuration's result."""
+    res["tasks"][task], res["seconds"][task] = d["metrics"], d["seconds"]
+    res.update(plan=d["plan"], plan_summary=d["plan_summary"])
 
 
 def _paired(dense: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
@@ -161,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     kept: dict[str, dict[str, Any]] = {}  # --model-dirs whose directory is gone, from their committed files
     for item in filter(None, args.model_dirs.split(",")):
         name, sep, d = item.partition("=")
-        if sep and name and not (Path(d) / "syncdrop.json").is_file():
-            if (r := _kept_config(name, d, tasks, args.limit, args.mmlu_limit, out)) is not None:
-                log.info("%s: kept the per-task results of %s (its directory is gone; not rescored)", name, d)
-                kept[name] = r
-        if not sep or not name or not ((Path(d) / "syncdrop.json").is_file() or name in kept):
-            raise SystemExit(f"--model-dirs: expected NAME=DIR with DIR a `syncdrop distill` directory, got {item!r}"
-                             f" (and no scored results of it under {out / 'runs' / name})")
+        bad = f"--model-dirs: expected NAME=DIR with DIR a `syncdrop distill` directory, got {item!r}"
+        if not sep or not name:
+            raise SystemExit(bad)
+        if not (Path(d) / "syncdrop.json").is_file():
+            if (r := _kept_config(name, d, tasks, args.limit, args.mmlu_limit, out)) is None:
+                raise SystemExit(f"{bad} (and no scored results of it under {out / 'runs' / name})")
+            log.info("%s: kept the per-task results of %s (its directory is gone; not rescored)", name, d)
+            kept[name] = r
         extra[name] = d
     source = resolve_model(args.model)
     cfg = source.config
