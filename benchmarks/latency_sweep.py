@@ -27,7 +27,7 @@ from pathlib import Path
 
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 
-PAPER_TTFT_CUT_AT_70 = 0.197  # papers.md: LLaMA2-70B, 8 GPUs, 70% SPD
+PAPER_TTFT_CUT_AT_70 = 0.197  # SPD paper (arXiv:2502.20727): LLaMA2-70B, 8 GPUs, 70% SPD
 
 
 def run_bench(args: argparse.Namespace, out: Path, bandwidth: float | None, latency_us: float | None) -> dict:

@@ -19,7 +19,6 @@ from syncdrop.cli_args import (
     check_launch_devices,
     error_line,
     link_from_args,
-    positive,
 )
 from syncdrop.errors import SyncdropError
 from syncdrop.plan import SyncPlan
@@ -27,26 +26,26 @@ from syncdrop.plan import SyncPlan
 log = logging.getLogger("syncdrop")
 
 
-def _own_plan(source, spec: str) -> SyncPlan:
-    """``--plans model``: the plan the model carries, or an error naming the flag."""
-    own = source.own_plan()
-    if own is None:
-        raise SyncdropError(f"--plans model: {spec} has no plan of its own (a `syncdrop distill` directory or a "
-                            "`syncdrop train` export has one)")
-    return own
+def plans_to_bench(args: argparse.Namespace, source) -> list[tuple[str, SyncPlan]]:
+    """``--plans`` as ``(spec, plan)`` pairs, each resolved against ``source`` (``model``: its own plan).
+    ``--plan`` is refused: bench measures exactly the plans of ``--plans``."""
+    from syncdrop.plan import split_plan_list
+    from syncdrop.runtime import model_plan
+
+    if args.plan is not None:
+        raise SyncdropError(f"--plan {args.plan}: bench measures the plans listed in --plans; put it there "
+                            f"(e.g. --plans none,{args.plan})")
+    return [(s, model_plan(source, s, args.tp, args.drop_variant, what="plans"))
+            for s in split_plan_list(args.plans)]
 
 
 def _check_bench_link(args: argparse.Namespace, cfg, link=None) -> None:
     """The prefill all-reduce (batch x prompt x hidden) must be emulated in less than --dist-timeout
     (``link``: default the one of --link-bandwidth/--link-latency)."""
-    import torch
+    from syncdrop.bench.run import check_link
 
-    from syncdrop.bench.ring import check_within_timeout
-    from syncdrop.runtime import parse_dtype
-
-    elem = torch.empty((), dtype=parse_dtype(args.dtype)).element_size()
-    check_within_timeout(link or link_from_args(args), args.batch * args.prompt_len * cfg.hidden_size * elem,
-                         args.tp, args.dist_timeout)
+    check_link(cfg, link or link_from_args(args), args.dtype, args.batch * args.prompt_len, args.tp,
+               args.dist_timeout)
 
 
 def _bench_links(args: argparse.Namespace, link):
@@ -61,82 +60,71 @@ def _bench_links(args: argparse.Namespace, link):
     return parse_links(args.links)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
+def _bench_settings(args: argparse.Namespace):
+    """The :class:`~syncdrop.bench.run.BenchSettings` of these flags."""
+    from syncdrop.bench.run import BenchSettings
+    from syncdrop.plan import split_plan_list
 
-    from syncdrop.bench.latency import latency_bench, markdown_table
-    from syncdrop.eval.data import prompt_tokens
-    from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
-    from syncdrop.models.loading import resolve_model
-    from syncdrop.parallel import dist
-    from syncdrop.parallel.device import pin_cpu_threads
-    from syncdrop.plan import parse_plan, split_plan_list
-
-    at_least(args, 1, "prompt_len", "decode_tokens", "reps", "batch", "threads")
-    at_least(args, 0, "warmup")
-    positive(args, "target_ci")
-    if args.max_reps is not None and args.max_reps < args.reps:
-        raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
-    if args.engine == "vllm":
-        if args.links is not None:
-            raise SyncdropError("--links interleaves links in syncdrop's runtime: with --engine vllm, run one "
-                                "bench per link (--link-bandwidth/--link-latency)")
-        return _bench_vllm(args)
-    if args.tp > 1 and not dist.launched_by_torchrun():
-        raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for --tp > 1")
-    if args.executor == "hf":
-        raise SyncdropError("bench runs syncdrop's executors: use --executor auto")
-    specs = split_plan_list(args.plans)
+    if args.engine == "vllm" and args.links is not None:
+        raise SyncdropError("--links interleaves links in syncdrop's runtime: with --engine vllm, run one "
+                            "bench per link (--link-bandwidth/--link-latency)")
     link = link_from_args(args)
     links = _bench_links(args, link)
-    cfg = resolve_model(args.model).config  # the header only: fail before loading weights
-    for lk in [link] if links is None else [lk for _, lk in links]:
-        _check_bench_link(args, cfg, lk)
-    launched = dist.launched_by_torchrun()
-    pinned = pin_cpu_threads(args.threads, dist.local_rank() if launched else 0,
-                             dist.local_world_size() if launched else 1)
-    built = build_from_args(args, progress=False)
-    L = built.source.config.num_layers
-    plans = [(s, _own_plan(built.source, args.model) if s == "model" else parse_plan(s, L, args.drop_variant))
-             for s in specs]
-    ids = prompt_tokens(built.source.load_tokenizer(), args.dataset, args.prompt_len * args.batch, args.data_dir)
-    prompt = torch.tensor(ids).view(args.batch, args.prompt_len)
-    for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
-        built.use_plan(plan)
-    if links is not None:
-        built.use_link(links[0][1])  # the emulation wrapper exists before the bench reads the communicator
-    res = latency_bench(built.use_plan, plans, prompt, args.decode_tokens, args.reps, args.warmup,
-                        progress=built.is_main and not args.quiet, max_reps=args.max_reps,
-                        target_rel_ci=args.target_ci, links=links, use_link=built.use_link)
-    memory = built.memory()
-    if not built.is_main:
+    return BenchSettings(
+        model=args.model, tp=args.tp, plans=tuple(split_plan_list(args.plans)), prompt_len=args.prompt_len,
+        batch=args.batch, decode_tokens=args.decode_tokens, reps=args.reps, max_reps=args.max_reps,
+        target_ci=args.target_ci, warmup=args.warmup, threads=args.threads, link=link,
+        links=None if links is None else tuple(links), dataset=args.dataset, data_dir=args.data_dir,
+        dtype=args.dtype, device=args.device, backend=args.backend, executor=args.executor,
+        exact_reduce=args.exact_reduce, dist_timeout=args.dist_timeout, drop_variant=args.drop_variant,
+        engine=args.engine, stock=args.stock, work_dir=args.work_dir)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Check the flags, measure (:func:`syncdrop.bench.run.run_bench`), print and write on rank 0."""
+    from syncdrop.bench.latency import markdown_table
+    from syncdrop.bench.run import run_bench
+    from syncdrop.io_utils import atomic_write_json, atomic_write_text
+    from syncdrop.parallel import dist
+
+    s = _bench_settings(args)
+    if s.engine == "vllm" and args.launch:
+        raise SyncdropError("--engine vllm measures batch 1 in vLLM's own runtime: drop --batch, --launch and "
+                            "--executor")
+    if s.engine == "syncdrop":
+        if args.tp > 1 and not dist.launched_by_torchrun():
+            raise SyncdropError("bench measures real communication: add --launch (or run under torchrun) for "
+                                "--tp > 1")
+        from syncdrop.models.loading import resolve_model
+
+        plans_to_bench(args, resolve_model(args.model))  # --plan refused, every spec resolves: before any weights
+    docs = run_bench(s, progress=not args.quiet)
+    if docs is None:  # not rank 0
         return 0
-    rt = built.runtime
-    settings = {"model": built.source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": args.batch,
-                "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
-                "exact_reduce": args.exact_reduce,
-                "runtime": "distributed" if built.dist else "single-process", "backend": rt.backend,
-                "device": str(rt.device), "executor": rt.executor, "threads_per_rank": pinned["threads"],
-                "cpu_cores_rank0": pinned["cores"], "max_reps": args.max_reps, "target_ci": args.target_ci,
-                "hidden_size": built.source.config.hidden_size, "num_layers": L, "model_spec": args.model,
-                "model_config": built.source.config.to_dict()}
-    results = {None: (link, res)} if links is None else {label: (lk, res[label]) for label, lk in links}
-    for label, (lk, r) in results.items():
-        s = {**settings, "link": lk.to_dict(), "link_description": lk.describe()}
-        if links is not None:
-            s["interleaved_links"] = [lb for lb, _ in links]
-        table = markdown_table(r)
-        print(f"{built.source.name} TP={args.tp}, prompt {args.prompt_len} x batch {args.batch}, "
-              f"{args.decode_tokens} decode tokens, link: {lk.describe()}"
-              + ("" if label is None else f" (interleaved with {len(links) - 1} other link(s))")
-              + f", medians of {r['reps_run']} interleaved reps [95% intervals], "
-              f"{pinned['threads']} thread(s) per rank")
+    conds = s.conditions()
+    for (label, _), doc in zip(conds, docs, strict=True):
+        table = markdown_table(doc)
+        print(_bench_header(doc, label, len(conds)))
         print(table)
         if args.json:
             path = bench_json_path(args.json, label)
-            atomic_write_json(path, {"settings": s, "provenance": provenance(), "memory": memory, **r})
+            atomic_write_json(path, doc)
             atomic_write_text(path.removesuffix(".json") + ".md", table)
     return 0
+
+
+def _bench_header(doc: dict, label: str | None, n_links: int) -> str:
+    """The line printed above a result's table."""
+    st = doc["settings"]
+    if "engine" in st:  # vLLM
+        return (f"{st['model']} in vLLM ({st['engine']}) TP={st['tp']}, prompt {st['prompt_len']}, "
+                f"{st['decode_tokens']} decode tokens, link: {st['link_description']}, medians of {doc['reps_run']} "
+                "interleaved reps [95% intervals]")
+    return (f"{st['model']} TP={st['tp']}, prompt {st['prompt_len']} x batch {st['batch']}, "
+            f"{st['decode_tokens']} decode tokens, link: {st['link_description']}"
+            + ("" if label is None else f" (interleaved with {n_links - 1} other link(s))")
+            + f", medians of {doc['reps_run']} interleaved reps [95% intervals], "
+            f"{st['threads_per_rank']} thread(s) per rank")
 
 
 def bench_json_path(json_path: str, link_label: str | None) -> str:
@@ -147,44 +135,6 @@ def bench_json_path(json_path: str, link_label: str | None) -> str:
     if link_label is None:
         return json_path
     return f"{json_path.removesuffix('.json')}_{link_slug(link_label)}.json"
-
-
-def _bench_vllm(args: argparse.Namespace) -> int:
-    """``syncdrop bench --engine vllm``: the plans measured inside vLLM (:mod:`syncdrop.serve.vllm_bench`)."""
-    from syncdrop.bench.latency import markdown_table
-    from syncdrop.eval.data import prompt_tokens
-    from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
-    from syncdrop.models.loading import resolve_model
-    from syncdrop.plan import split_plan_list
-    from syncdrop.serve.vllm_bench import vllm_bench
-
-    if args.batch != 1 or args.launch or args.executor != "auto":
-        raise SyncdropError("--engine vllm measures batch 1 in vLLM's own runtime: drop --batch, --launch and "
-                            "--executor")
-    if "model" in split_plan_list(args.plans):
-        raise SyncdropError("--engine vllm times plan specs (weights do not change latency): list them, not `model`")
-    link = link_from_args(args)
-    source = resolve_model(args.model)
-    _check_bench_link(args, source.config)
-    prompt = prompt_tokens(source.load_tokenizer(), args.dataset, args.prompt_len, args.data_dir)
-    res = vllm_bench(args.model, args.tp, split_plan_list(args.plans), prompt, args.decode_tokens, args.reps,
-                     args.warmup, args.work_dir, link, args.max_reps, args.target_ci, stock=args.stock,
-                     dtype=args.dtype)
-    settings = {"model": source.name, "tp": args.tp, "prompt_len": args.prompt_len, "batch": 1,
-                "decode_tokens": args.decode_tokens, "reps": args.reps, "warmup": args.warmup, "dtype": args.dtype,
-                "link": link.to_dict(), "link_description": link.describe(), "engine": res["engine"]["name"],
-                "max_reps": args.max_reps, "target_ci": args.target_ci, "hidden_size": source.config.hidden_size,
-                "num_layers": source.config.num_layers, "model_spec": args.model,
-                "model_config": source.config.to_dict()}
-    table = markdown_table(res)
-    print(f"{source.name} in vLLM ({res['engine']['name']}) TP={args.tp}, prompt {args.prompt_len}, "
-          f"{args.decode_tokens} decode tokens, link: {link.describe()}, medians of {res['reps_run']} interleaved "
-          "reps [95% intervals]")
-    print(table)
-    if args.json:
-        atomic_write_json(args.json, {"settings": settings, "provenance": provenance(), **res})
-        atomic_write_text(args.json.removesuffix(".json") + ".md", table)
-    return 0
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
@@ -255,14 +205,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.sharding import ShardLayout, distilled_layouts
-    from syncdrop.runtime import for_plan, resolve_plan
+    from syncdrop.runtime import for_plan, prepare
 
-    src = resolve_model(args.model)
+    src, plan = prepare(args.model, args.tp, args.plan, args.drop_variant)
     cfg = src.config
     layout = ShardLayout.build(cfg, args.tp)
-    plan = resolve_plan(src, args.plan, args.drop_variant)
     distilled = sorted(src.spd.blocks) if src.spd is not None else []
     src = for_plan(src, plan)
     print(f"model {src.name} ({src.kind}: {src.path})")
@@ -367,29 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Validate cheaply here (so a usage error is printed once), then start --tp workers."""
-    from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.launch import launch
-    from syncdrop.parallel.sharding import check_tp
-    from syncdrop.plan import parse_plan
-    from syncdrop.runtime import check_checkpoint_tp, resolve_plan
+    from syncdrop.runtime import prepare
 
     if getattr(args, "engine", "syncdrop") == "vllm":
         raise SyncdropError("--engine vllm starts vLLM's own ranks: drop --launch")
-    source = resolve_model(args.model)
+    source, _ = prepare(args.model, args.tp, getattr(args, "plan", None), args.drop_variant)
     cfg = source.config
-    check_tp(cfg, args.tp)
-    check_checkpoint_tp(source, args.tp)
-    resolve_plan(source, args.plan, args.drop_variant)
     link_from_args(args)
     check_launch_devices(args.device, args.backend, args.tp)
     if hasattr(args, "plans"):
-        from syncdrop.plan import split_plan_list
-
-        for spec in split_plan_list(args.plans):
-            if spec != "model":
-                parse_plan(spec, cfg.num_layers, args.drop_variant)
-            else:
-                _own_plan(source, args.model)
+        plans_to_bench(args, source)
         links = _bench_links(args, link_from_args(args))
         for lk in [None] if links is None else [lk for _, lk in links]:
             _check_bench_link(args, cfg, lk)

@@ -37,7 +37,7 @@ from syncdrop.parallel.comm import Communicator, SimulatedComm
 from syncdrop.parallel.dist import DistContext
 from syncdrop.parallel.executor import TPModel
 from syncdrop.parallel.sharding import distilled_layouts
-from syncdrop.plan import SyncPlan, parse_plan
+from syncdrop.plan import SyncPlan, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -183,16 +183,8 @@ class Runtime:
 
         ``plan_spec``: a spec string, a :class:`SyncPlan`, or None (the model's own plan, else
         ``none``)."""
-        from syncdrop.models.loading import resolve_model
-        from syncdrop.parallel.sharding import check_tp
-
-        source = resolve_model(model_spec)
+        source, plan = prepare(model_spec, tp, plan_spec, drop_variant)
         cfg = source.config
-        check_tp(cfg, tp)
-        check_checkpoint_tp(source, tp)
-        plan = plan_spec if isinstance(plan_spec, SyncPlan) else resolve_plan(source, plan_spec, drop_variant)
-        if plan.num_blocks != cfg.num_layers:
-            raise SyncdropError(f"has {plan.num_blocks} blocks but the model has {cfg.num_layers}", field="plan")
         if self.executor == "hf":
             if tp != 1 or plan.dropped or source.spd is not None:
                 raise SyncdropError("hf runs transformers' dense model: use --tp 1 --plan none and a model that is "
@@ -360,15 +352,27 @@ def full_copy_bytes(cfg, dtype: torch.dtype) -> int:
     return sum(math.prod(expected_shape(n, cfg)) for n in model_names(cfg)) * elem
 
 
-def resolve_plan(source, plan_spec: str | None, drop_variant: str = "drop") -> SyncPlan:
-    """The plan to run: ``plan_spec`` parsed, or (``None``) the model's own plan (the one a
-    ``syncdrop distill`` directory was made for or a ``syncdrop train`` export was trained with),
-    else ``none``."""
-    cfg = source.config
-    if plan_spec is None:
-        own = source.own_plan()
-        return own if own is not None else SyncPlan.uniform(cfg.num_layers)
-    return parse_plan(plan_spec, cfg.num_layers, drop_variant)
+def prepare(model_spec: str, tp: int, plan_spec: str | SyncPlan | None = None, drop_variant: str = "drop",
+            serving: bool = False) -> tuple[Any, SyncPlan]:
+    """Resolve ``model_spec`` (the checkpoint's header only: no weights are read) and check ``tp`` and
+    the plan against it: what every command checks before it builds, launches ranks or exports.
+    ``plan_spec`` as :func:`~syncdrop.plan.resolve_plan` takes it (None: the model's own plan, the one a
+    ``syncdrop distill`` directory was made for or a ``syncdrop train`` export was trained with, else
+    ``none``); ``serving``: vLLM's plugin must be able to serve the plan. Returns (source, plan)."""
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.parallel.sharding import check_tp
+
+    source = resolve_model(model_spec)
+    check_tp(source.config, tp)
+    check_checkpoint_tp(source, tp)
+    return source, model_plan(source, plan_spec, tp, drop_variant, serving)
+
+
+def model_plan(source, plan_spec: str | SyncPlan | None, tp: int | None = None, drop_variant: str = "drop",
+               serving: bool = False, what: str = "plan") -> SyncPlan:
+    """:func:`~syncdrop.plan.resolve_plan` for ``source``: its block count and its own plan."""
+    return resolve_plan(plan_spec, source.config.num_layers, tp=tp, own=source.own_plan(), variant=drop_variant,
+                        serving=serving, what=what)
 
 
 def for_plan(source, plan: SyncPlan, warn: bool = True):

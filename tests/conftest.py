@@ -24,6 +24,11 @@ Tests that read the data folder carry ``@pytest.mark.needs_data(kind)`` (``"task
 files; ``"wikitext2"``). Where the folder (``$SYNCDROP_DATA`` or ``../shared/data``) lacks those files they
 are skipped with the reason "needs ../shared/data (...)" (printed by ``-rs``), except under
 ``SYNCDROP_REQUIRE_DATA=1`` (CI), where they fail instead: CI has the data, so a missing folder is a fault.
+
+A newcomer's clone has no data folder. To run the suite as there, point ``SYNCDROP_DATA`` at an empty folder
+(``SYNCDROP_DATA=$(mktemp -d) make test``): a non-empty ``$SYNCDROP_DATA`` is the data folder, and
+``../shared/data`` is not looked at then. ``.ci/run`` runs such a pass after the main one. The header of every
+run (not printed under ``-q``) names the data folder and whether it holds WikiText-2 and the task files.
 """
 
 from __future__ import annotations
@@ -140,6 +145,16 @@ def _missing_vllm() -> str | None:
     except SyncdropError as e:
         return f"needs vLLM ({e.message})"
     return None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which data folder this run sees (a pass with the data hidden says so at the top of its log)."""
+    from syncdrop.eval.data import data_dir
+
+    root = data_dir()
+    found = [k for k in ("wikitext2", "tasks") if _missing_data(k, root) is None]
+    have = f"has {' and '.join(found)}" if found else "has neither WikiText-2 nor the task files"
+    return f"syncdrop data folder: {root} ({have}; SYNCDROP_REQUIRE_DATA={os.environ.get('SYNCDROP_REQUIRE_DATA', '')})"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from syncdrop.auto import pipeline
-from syncdrop.auto.pipeline import AutoSettings, Stages, _choose
+from syncdrop.auto.pipeline import AutoSettings, Stages, _choose, candidate_name
+from syncdrop.bench import run as bench_run
 from syncdrop.cli import main
 from syncdrop.eval.data import load_text
 from syncdrop.models.loading import resolve_model
@@ -57,7 +58,7 @@ def _bench(rows: dict[float, tuple[float, tuple[float, float] | None, float | No
 
 
 def _plans(fractions) -> dict[str, Any]:
-    return {"candidates": {f"{f:g}": {"fraction": f, "path": f"/r/plans/spd{round(f * 100):03d}.json"}
+    return {"candidates": {f"{f:g}": {"fraction": f, "path": f"/r/plans/{candidate_name(f)}.json"}
                            for f in fractions}}
 
 
@@ -128,39 +129,37 @@ def test_auto_bad_input(capsys) -> None:
     assert "between 0 and 1" in capsys.readouterr().err
 
 
+def test_candidate_names() -> None:
+    """One name per candidate fraction, for its plan file and model directory."""
+    assert [candidate_name(f) for f in (0.0, 0.25, 0.5, 1.0)] == ["spd000", "spd025", "spd050", "spd100"]
+
+
 # ---------------------------------------------------------------------------- stage reruns and fallbacks
 # The pipeline runs in-process on the tiny Llama with the smallest settings. Two things are replaced:
-# lm-eval is made absent (the no-lm-eval fallback), and ``pipeline._syncdrop``, which would start
-# `syncdrop bench --launch` subprocesses, writes a committed bench file instead (real SmolLM2 TP=2
-# measurements: results/latency/tp2_none.json without emulation, tp2_share30.json with a link). The
-# real subprocesses run in the slow end-to-end test. Stage functions are wrapped to count calls; the
-# wrappers call the real stage.
+# lm-eval is made absent (the no-lm-eval fallback), and the bench entry point
+# (``syncdrop.bench.run.run_bench``, which would start real ranks) returns committed results instead
+# (real SmolLM2 TP=2 measurements: results/latency/tp2_none.json without emulation, tp2_share30.json with a
+# link). Real ranks run in the run_bench tests below and in the slow end-to-end test. Stage functions are
+# wrapped to count calls; the wrappers call the real stage.
 
 STAGES = ("_profile", "_plans", "_distill", "_ppl", "_bench", "_choose", "_zeroshot")
 
 
-def _fake_bench(noemul: Path, emul: Path, calls: list[list[str]]):
-    """Writes what `syncdrop bench` would: with --links, OUT_<link>.json and .md per link (the first link
-    un-emulated, the second the user's), else OUT.json."""
-    from syncdrop.bench.ring import link_slug
+def _fake_bench(noemul: Path, emul: Path, calls: list):
+    """Returns what run_bench would: with links, one result per link (the first un-emulated, the second the
+    user's), else one result (the emulated file when the settings' link is active)."""
+    from syncdrop.bench.run import BenchSettings
 
-    def run(args: list[str]) -> None:
-        assert args[0] == "bench", args  # zero-shot must not start `syncdrop eval` without lm-eval
-        calls.append(args)
-        out = Path(args[args.index("--json") + 1])
-        if "--links" in args:
-            for label, src in zip(args[args.index("--links") + 1].split(","), (noemul, emul), strict=True):
-                path = out.with_name(f"{out.stem}_{link_slug(label)}.json")
-                path.write_text(src.read_text())
-                path.with_suffix(".md").write_text("table\n")
-            return
-        src = emul if "--link-bandwidth" in args or "--link-latency" in args else noemul
-        out.write_text(src.read_text())
+    def run(s: BenchSettings, progress: bool = False) -> list[dict]:
+        calls.append(s)
+        if s.links is not None:
+            return [json.loads(src.read_text()) for src in (noemul, emul)]
+        return [json.loads((emul if s.link.active else noemul).read_text())]
     return run
 
 
 @pytest.fixture
-def auto_env(monkeypatch, tmp_path: Path, text_file: Path) -> tuple[Counter, list[list[str]], Path]:
+def auto_env(monkeypatch, tmp_path: Path, text_file: Path) -> tuple[Counter, list, Path]:
     """Counting stage wrappers, no lm-eval, committed bench files, and a data folder of the tiny text."""
     import sys
 
@@ -173,9 +172,9 @@ def auto_env(monkeypatch, tmp_path: Path, text_file: Path) -> tuple[Counter, lis
             return _real(*a, **k)
         monkeypatch.setattr(pipeline, name, counted)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
-    calls: list[list[str]] = []
-    monkeypatch.setattr(pipeline, "_syncdrop", _fake_bench(RESULTS / "latency" / "tp2_none.json",
-                                                           RESULTS / "latency" / "tp2_share30.json", calls))
+    calls: list = []
+    monkeypatch.setattr(bench_run, "run_bench", _fake_bench(RESULTS / "latency" / "tp2_none.json",
+                                                            RESULTS / "latency" / "tp2_share30.json", calls))
     data = tmp_path / "data" / "wikitext2"
     data.mkdir(parents=True)
     for split in ("test.txt", "valid.txt"):
@@ -190,13 +189,23 @@ def _auto_args(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
             "--out", str(out), *extra]
 
 
-def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_path, capsys) -> None:
+def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_path, capsys, monkeypatch) -> None:
     """A rerun recomputes nothing; a new budget reruns choice and zero-shot only; a new link reruns bench,
     choice and zero-shot; more eval windows rerun ppl, choice and zero-shot. Also: the dense candidate is
-    evaluated though --fractions left out 0, and without lm-eval zero-shot is skipped with a note."""
+    evaluated though --fractions left out 0, without lm-eval zero-shot is skipped with a note, and a run
+    passes stage results in memory: it reads no stage file it wrote (only plan files, the bench files the
+    cost model parses, and the profile figure the report embeds)."""
     counts, calls, data = auto_env
     out = tmp_path / "auto"
     link = ["--link-bandwidth", "100MB/s", "--link-latency", "50us"]
+    reads: list[Path] = []
+    for name in ("read_text", "read_bytes"):
+        real = getattr(Path, name)
+
+        def spy(self, *a, _real=real, **k):
+            reads.append(self)
+            return _real(self, *a, **k)
+        monkeypatch.setattr(Path, name, spy)
 
     def run(*extra: str) -> dict[str, int]:
         counts.clear()
@@ -204,9 +213,17 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
         return dict(counts)
 
     assert run() == {n: 1 for n in STAGES}
-    # one bench, the un-emulated link and the user's interleaved
-    assert len(calls) == 1 and calls[0][calls[0].index("--links") + 1] == "none,100MB/s+50us"
+    root = out.resolve()
+    read_here = {p.resolve().relative_to(root).as_posix() for p in reads if root in p.resolve().parents}
+    allowed = {"bench_noemul.json", "bench_link.json", "profile.png"}  # profile.png: drawn by the profile stage
+    assert {p for p in read_here if not p.startswith("plans/")} <= allowed, read_here
+    # one bench, the un-emulated link and the user's interleaved, every candidate plan
+    assert len(calls) == 1 and [label for label, _ in calls[0].links] == ["none", "100MB/s+50us"]
+    assert calls[0].links[1][1].to_dict() == {"bandwidth_Bps": 1e8, "latency_s": pytest.approx(5e-5), "formula": "ring"}
+    assert [Path(p).name for p in calls[0].plans] == ["spd000.json", "spd050.json", "spd100.json"]
+    assert (calls[0].tp, calls[0].prompt_len, calls[0].reps, calls[0].max_reps) == (2, 8, 1, 30)
     assert {p.name for p in out.glob("bench_*.json")} == {"bench_noemul.json", "bench_link.json"}
+    assert (out / "bench_link.md").is_file() and not list(out.glob("bench_none*"))
     ppl = json.loads((out / "ppl.json").read_text())
     assert [r["fraction"] for r in ppl["rows"]] == [0.0, 0.5, 1.0]
     assert ppl["dense_ppl"] == ppl["rows"][0]["ppl_zero_shot"] > 0
@@ -222,7 +239,7 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
         assert (out / name).stat().st_mtime_ns == mtimes[name], name  # the cached files were not rewritten
     link[-1] = "100us"
     assert run("--max-ppl-increase", "0.5") == {"_bench": 1, "_choose": 1, "_zeroshot": 1}
-    assert calls[-1][calls[-1].index("--links") + 1] == "none,100MB/s+100us"
+    assert calls[-1].links[1][0] == "100MB/s+100us"
     assert run("--max-ppl-increase", "0.5", "--eval-windows", "2") == {"_ppl": 1, "_choose": 1, "_zeroshot": 1}
     assert json.loads((out / "ppl.json").read_text())["windows"] == 2
 
@@ -278,12 +295,12 @@ def test_cost_model_not_fitted_recommends_dense(tiny_llama_dir, auto_env, tmp_pa
         bad["allreduce"][phase]["median_ms"] = 50.0
     bad_path = tmp_path / "unfittable.json"
     bad_path.write_text(json.dumps(bad))
-    monkeypatch.setattr(pipeline, "_syncdrop", _fake_bench(bad_path, bad_path, calls))
+    monkeypatch.setattr(bench_run, "run_bench", _fake_bench(bad_path, bad_path, calls))
     out = tmp_path / "auto"
     assert main(_auto_args(tiny_llama_dir, out, data, "--max-ppl-increase", "1.0")) == 0
     bench = json.loads((out / "bench.json").read_text())
     assert "could not fit a positive compute rate" in bench["calibration"]["error"]
-    assert len(calls) == 1  # no link given: one un-emulated bench
+    assert len(calls) == 1 and calls[0].links is None and not calls[0].link.active  # no link: one un-emulated bench
     assert bench["rows"] and all(r["predicted_ms"] is None and r["link"] == "none" for r in bench["rows"])
     measured = {r["fraction"]: r["measured_ms"] for r in bench["rows"] if r["what"] == "ttft"}
     file_ttft = {p["spd_fraction"]: p["ttft_ms"] for p in bad["plans"]}
@@ -295,12 +312,97 @@ def test_cost_model_not_fitted_recommends_dense(tiny_llama_dir, auto_env, tmp_pa
     assert "recommends dense" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------------------- slow: real subprocesses
+# ---------------------------------------------------------------------------- the bench stage's real ranks
+# run_bench (syncdrop/bench/run.py) at --tp 2 from this one process: it starts the ranks itself and hands
+# rank 0's results back in memory; a rank that fails or dies makes it raise, in bounded time.
+
+HANG_GUARD_S = 120  # far above what these take; a hang, not slowness, would pass it
+
+
+def _bench_settings(model: Path, text: Path, **kw):
+    from syncdrop.bench.run import BenchSettings
+
+    return BenchSettings(**{"model": str(model), "tp": 2, "plans": ("none", "all"), "prompt_len": 16,
+                            "decode_tokens": 2, "reps": 2, "warmup": 0, "dataset": str(text), "dist_timeout": 20.0,
+                            **kw})
+
+
+def test_run_bench_starts_the_ranks_and_returns_rank0s_results(tiny_llama_dir, text_file, tmp_path,
+                                                                monkeypatch) -> None:
+    """Two ranks, two links interleaved: one result per link, in order, measured by the distributed
+    runtime (every rank's memory), recorded with this process's command; nothing left in the temp folder."""
+    import sys
+    import tempfile
+
+    from syncdrop.bench.ring import Link
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    links = (("none", Link()), ("inf+20us", Link(None, 2e-5)))
+    docs = bench_run.run_bench(_bench_settings(tiny_llama_dir, text_file, links=links))
+    assert [d["settings"]["link"]["latency_s"] for d in docs] == [0.0, pytest.approx(2e-5)]
+    for d in docs:
+        s = d["settings"]
+        assert (s["runtime"], s["tp"], d["reps_run"]) == ("distributed", 2, 2)
+        assert s["interleaved_links"] == ["none", "inf+20us"]
+        assert [p["plan"] for p in d["plans"]] == ["none", "all"] and len(d["memory"]["ranks"]) == 2
+        assert d["provenance"]["command"].split()[1:] == sys.argv[1:]
+    assert list(tmp_path.iterdir()) == []  # the job folder is gone
+
+
+def test_run_bench_usage_error_on_the_ranks_is_raised_here(tiny_llama_dir, text_file) -> None:
+    """A setting only the ranks can refuse (a prompt longer than the text): the ranks' SyncdropError, the
+    same message and field, raised to the caller."""
+    from syncdrop.errors import SyncdropError
+
+    with pytest.raises(SyncdropError) as e:
+        bench_run.run_bench(_bench_settings(tiny_llama_dir, text_file, prompt_len=100_000))
+    assert e.value.field == "dataset" and "has fewer than 100000 tokens" in e.value.message
+
+
+def test_run_bench_fails_in_bounded_time_when_a_rank_dies(tiny_llama_dir, text_file) -> None:
+    """Rank 1 killed (SIGKILL) while the job runs: run_bench raises RankFailure naming it, long before the
+    hang guard (the launcher stops rank 0 at most --dist-timeout after the death)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from syncdrop.parallel.dist import RankFailure
+
+    stop, killed = threading.Event(), []
+
+    def kill_rank1() -> None:
+        while not stop.is_set():
+            for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"syncdrop.bench.run" in cmd and b"RANK=1" in env:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_rank1, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RankFailure) as e:
+            bench_run.run_bench(_bench_settings(tiny_llama_dir, text_file, reps=50, dist_timeout=10.0))
+    finally:
+        stop.set()
+    assert killed and time.monotonic() - t0 < HANG_GUARD_S
+    assert "bench at TP=2 failed" in str(e.value) and "rank 1 was killed by SIGKILL" in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------------------- slow: real ranks, lm-eval
 
 
 @pytest.mark.slow
 def test_auto_end_to_end_with_report(tiny_llama_dir, tmp_path, capsys) -> None:
-    """Every stage runs (real `bench --launch` and lm-eval subprocesses), a rerun is fully cached, and the
+    """Every stage runs (the bench's real ranks, lm-eval in this process), a rerun is fully cached, and the
     HTML is self-contained."""
     out = tmp_path / "auto"
     args = ["auto", "--model", str(tiny_llama_dir), "--tp", "2", "--link-bandwidth", "100MB/s", "--link-latency",

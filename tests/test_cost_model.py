@@ -1,8 +1,8 @@
-"""The analytical cost model and ``syncdrop predict``: formulas; fits checked against least-squares
-answers computed in closed form here, on hand-made points and on the committed bench files under
-results/latency/ (real SmolLM2 TP=2 measurements); predictions of the committed emulated-link runs
-evaluated by hand and against their measured TTFT; the cluster prediction evaluated by hand for one case
-beside the paper's published figure; parameter recovery on synthetic files; bad input. No timing."""
+"""The analytical cost model (:mod:`syncdrop.bench.cost`) and ``syncdrop predict``: formulas; fits checked
+against least-squares answers computed in closed form here, on hand-made points and on the committed bench
+files under results/latency/ (real SmolLM2 TP=2 measurements); predictions of the committed emulated-link
+runs evaluated by hand and against their measured TTFT; parameter recovery on synthetic files; bad input.
+The cluster prediction is in test_cost_cluster.py. No timing."""
 
 from __future__ import annotations
 
@@ -14,15 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from syncdrop.bench import cost_model as cm
+from syncdrop.bench.cost.arch import MODELS, RankShare, block_shares, get_model, layer_weights
+from syncdrop.bench.cost.bench_files import load_bench
+from syncdrop.bench.cost.check import check, check_summary
+from syncdrop.bench.cost.comm import CommModel
+from syncdrop.bench.cost.compute import ComputeModel, decode_work, prefill_work
+from syncdrop.bench.cost.fit import BETA_BOUNDS, Calibration, calibrate, fit_alpha_beta
+from syncdrop.bench.cost.forward import predict_decode, predict_ttft
 from syncdrop.bench.link import Link
-from syncdrop.bench.predict import add_parser, parse_links
+from syncdrop.bench.predict import add_parser
+from syncdrop.bench.ring import ring_all_reduce_s
 from syncdrop.cli import main
 from syncdrop.errors import SyncdropError
-from syncdrop.parallel.comm import SimulatedComm
-from syncdrop.parallel.executor import simulated_model
 from syncdrop.plan import parse_plan
 
 LATENCY = Path(__file__).resolve().parent.parent / "results" / "latency"
@@ -37,9 +41,9 @@ def synthetic_bench(prompt_len: int, link: Link | None = None, noise: float = 0.
     """A bench-shaped result whose times come from the cost model with ``TRUE`` parameters, x (1 +- noise)."""
     rng = random.Random(seed)
     link = link or Link()
-    cfg = cm.MODELS[model]
-    comm = cm.CommModel(true["alpha"], true["beta"], link.bandwidth, link.latency, true["sync"])
-    compute = cm.ComputeModel(true["flops"], true["overhead"])
+    cfg = MODELS[model]
+    comm = CommModel(true["alpha"], true["beta"], link.bandwidth, link.latency, true["sync"])
+    compute = ComputeModel(true["flops"], true["overhead"])
     L, h = cfg.num_layers, cfg.hidden_size
 
     def jitter(x: float) -> float:
@@ -55,8 +59,8 @@ def synthetic_bench(prompt_len: int, link: Link | None = None, noise: float = 0.
     for spec in PLANS:
         plan = parse_plan(spec, L)
         n = 2 * L - len(plan.dropped)
-        ttft = cm.predict_ttft(cfg, tp, prompt_len, n, compute, comm)
-        dec = cm.predict_decode(cfg, tp, round(ctx), n, compute, comm)
+        ttft = predict_ttft(cfg, tp, prompt_len, n, compute, comm)
+        dec = predict_decode(cfg, tp, round(ctx), n, compute, comm)
         plans.append({"plan": spec, "dropped": len(plan.dropped), "spd_fraction": plan.spd_fraction,
                       "allreduces_per_forward": n, "ttft_ms": jitter(ttft) * 1e3, "decode_ms": jitter(dec) * 1e3})
     return {"settings": {"model": model, "tp": tp, "prompt_len": prompt_len, "batch": 1,
@@ -82,12 +86,12 @@ def run_predict(argv: list[str]) -> int:
 
 def test_ring_allreduce_formula() -> None:
     a, b = 10e-6, 1e9
-    assert cm.ring_allreduce_time(1e6, 1, a, b) == 0.0
-    assert cm.ring_allreduce_time(0, 4, a, b) == pytest.approx(6 * a)  # latency term only: 2(N-1) alpha
-    assert cm.ring_allreduce_time(1e6, 4, a, b) == pytest.approx(6 * a + 1.5 * 1e6 / b)
-    big, twice = cm.ring_allreduce_time(1e9, 8, a, b), cm.ring_allreduce_time(2e9, 8, a, b)
+    assert ring_all_reduce_s(1e6, 1, a, b) == 0.0
+    assert ring_all_reduce_s(0, 4, a, b) == pytest.approx(6 * a)  # latency term only: 2(N-1) alpha
+    assert ring_all_reduce_s(1e6, 4, a, b) == pytest.approx(6 * a + 1.5 * 1e6 / b)
+    big, twice = ring_all_reduce_s(1e9, 8, a, b), ring_all_reduce_s(2e9, 8, a, b)
     assert twice / big == pytest.approx(2.0, rel=1e-3)  # bandwidth-dominated: doubles
-    small, twice_small = cm.ring_allreduce_time(10, 8, a, b), cm.ring_allreduce_time(20, 8, a, b)
+    small, twice_small = ring_all_reduce_s(10, 8, a, b), ring_all_reduce_s(20, 8, a, b)
     assert twice_small / small == pytest.approx(1.0, rel=1e-3)  # latency-dominated: flat
 
 
@@ -97,32 +101,23 @@ def test_emulated_term_is_the_ring_link_py_waits() -> None:
     for n in (0, 2304, 589824):
         for N in (1, 2, 3, 8):
             want = 0.0 if N == 1 else 2 * (N - 1) * 50e-6 + 2 * (N - 1) / N * n / 3e8
-            assert cm.emulated_delay(n, N, link.bandwidth, link.latency) == pytest.approx(want, abs=1e-15)
+            emulated_only = CommModel(0.0, math.inf, link.bandwidth, link.latency)  # no real-link term
+            assert emulated_only.collective(n, N) == pytest.approx(want, abs=1e-15)
             assert link.all_reduce_s(n, N) == pytest.approx(want, abs=1e-15)
             gather = 0.0 if N == 1 else (N - 1) * 50e-6 + (N - 1) / N * n / 3e8
             assert link.all_gather_s(n, N) == pytest.approx(gather, abs=1e-15)
-    comm = cm.CommModel(1e-5, 1e9, link.bandwidth, link.latency)
-    assert comm.allreduce(589824, 2) == pytest.approx(cm.ring_allreduce_time(589824, 2, 1e-5, 1e9)
+    comm = CommModel(1e-5, 1e9, link.bandwidth, link.latency)
+    assert comm.allreduce(589824, 2) == pytest.approx(ring_all_reduce_s(589824, 2, 1e-5, 1e9)
                                                       + link.all_reduce_s(589824, 2))
     assert comm.allreduce(589824, 1) == 0.0  # one rank: no collective at all
-
-
-@pytest.mark.parametrize("L", [30, 80])
-def test_spd_fraction_to_allreduce_count_matches_plans(L: int) -> None:
-    assert cm.allreduces_per_forward(L, 0.0) == 2 * L
-    assert cm.allreduces_per_forward(L, 1.0) == L
-    for i in range(11):
-        f = i / 10
-        assert cm.allreduces_per_forward(L, f) == 2 * L - len(parse_plan(f"frac:{f}", L).dropped)
-    with pytest.raises(SyncdropError, match="between 0 and 1, got 1.5"):
-        cm.allreduces_per_forward(L, 1.5)
+    assert comm.emulated_link == link
 
 
 def test_forward_comm_splits_latency_and_bandwidth() -> None:
     """A forward of n collectives whose payloads sum to u full ones: n x the per-message part + u x the
     per-byte part, written out here for a ring on 4 ranks and an emulated link; u = n is n full ones."""
     a, b, bw, lat, sync, nb, N = 10e-6, 1e9, 2e8, 50e-6, 1e-4, 1e6, 4
-    comm = cm.CommModel(a, b, bw, lat, sync)
+    comm = CommModel(a, b, bw, lat, sync)
     per_msg = 2 * (N - 1) * (a + lat) + sync  # the emulated link is a ring too
     per_byte = 2 * (N - 1) / N * (nb / b + nb / bw)
     assert comm.forward(nb, N, 8, 2.0) == pytest.approx(8 * per_msg + 2.0 * per_byte, rel=1e-12)
@@ -139,10 +134,10 @@ def test_partial_plans_in_bench_files_are_predicted_by_units(tmp_path) -> None:
     row = {"plan": "partial:0.25", "dropped": 0, "spd_fraction": 0.0, "allreduces_per_forward": 60,
            "comm_units": 15.0, "partial": True, "vocab_gather": True, "ttft_ms": 100.0, "decode_ms": 10.0}
     d["plans"] = [row]
-    cal = cm.Calibration(40e-6, 2e9, 1e-4, cm.ComputeModel(20e9, 0.5e-3), ("x",), 2, 10)
-    (got,) = [r for r in cm.check(cal, [cm.load_bench(write(tmp_path / "p.json", d))]) if r["what"] == "ttft"]
-    cfg, nb = cm.MODELS["smollm2"], 128 * 576 * 4
-    flops = cm.prefill_work(cfg, 2, 128).flops - 2 * 576 * 49152 / 2  # vocab-parallel head on 2 ranks
+    cal = Calibration(40e-6, 2e9, 1e-4, ComputeModel(20e9, 0.5e-3), ("x",), 2, 10)
+    (got,) = [r for r in check(cal, [load_bench(write(tmp_path / "p.json", d))]) if r["what"] == "ttft"]
+    cfg, nb = MODELS["smollm2"], 128 * 576 * 4
+    flops = prefill_work(cfg, 2, 128).flops - 2 * 576 * 49152 / 2  # vocab-parallel head on 2 ranks
     per_msg = 2 * 40e-6 + 2 * 50e-6 + 1e-4  # ring of 2 ranks: 2 steps, on the real and the emulated link
     per_byte = nb / 2e9 + nb / 3e8
     want = flops / 20e9 + 30 * 0.5e-3 + 60 * per_msg + 15.0 * per_byte
@@ -150,35 +145,35 @@ def test_partial_plans_in_bench_files_are_predicted_by_units(tmp_path) -> None:
     assert got["allreduces_per_forward"] == 60 and got["comm_units"] == 15.0
     old = {k: v for k, v in row.items() if k not in ("comm_units", "vocab_gather")}
     d["plans"] = [old]
-    (got_old,) = [r for r in cm.check(cal, [cm.load_bench(write(tmp_path / "o.json", d))]) if r["what"] == "ttft"]
+    (got_old,) = [r for r in check(cal, [load_bench(write(tmp_path / "o.json", d))]) if r["what"] == "ttft"]
     assert got_old["comm_units"] == 60.0  # no comm_units: every collective a full payload
     assert got_old["predicted_ms"] == pytest.approx((want + 45.0 * per_byte) * 1e3, rel=1e-12)
 
 
 def test_llama2_shapes_and_flops() -> None:
-    cfg = cm.get_model("LLaMA2-70B")
+    cfg = get_model("LLaMA2-70B")
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
             cfg.vocab_size, cfg.head_dim) == (80, 8192, 64, 8, 28672, 32000, 128)
-    params = cfg.num_layers * cm.layer_weights(cfg, cm.rank_share(cfg, 1)) + 2 * cfg.hidden_size * cfg.vocab_size
+    params = cfg.num_layers * layer_weights(cfg, block_shares(cfg, 1)[0]) + 2 * cfg.hidden_size * cfg.vocab_size
     assert params == pytest.approx(69.0e9, rel=0.01)
-    assert cm.layer_weights(cm.MODELS["llama2-7b"], cm.rank_share(cm.MODELS["llama2-7b"], 1)) * 32 \
+    assert layer_weights(MODELS["llama2-7b"], block_shares(MODELS["llama2-7b"], 1)[0]) * 32 \
         + 2 * 4096 * 32000 == pytest.approx(6.74e9, rel=0.01)
     # 8 ranks: an even split of everything.
-    assert cm.rank_share(cfg, 8) == cm.RankShare(8, 1, 3584)
+    assert block_shares(cfg, 8)[0] == RankShare(8, 1, 3584)
     # SmolLM2 on 2 ranks: 5 + 4 query heads, KV head 1 on both (syncdrop's sharding rule).
-    assert cm.rank_share(cm.MODELS["smollm2"], 2) == cm.RankShare(5, 2, 768)
-    w = cm.prefill_work(cfg, 8, 2048)
-    assert w.matmul_flops == pytest.approx(2 * 80 * cm.layer_weights(cfg, cm.rank_share(cfg, 8)) * 2048)
+    assert block_shares(MODELS["smollm2"], 2)[0] == RankShare(5, 2, 768)
+    w = prefill_work(cfg, 8, 2048)
+    assert w.matmul_flops == pytest.approx(2 * 80 * layer_weights(cfg, block_shares(cfg, 8)[0]) * 2048)
     assert w.attn_flops == pytest.approx(4 * 80 * 8 * 128 * 2048 * 2049 / 2)
     assert w.head_flops == 2 * 8192 * 32000  # last position only, replicated head
-    assert cm.prefill_work(cfg, 8, 2048, lm_head_parallel=True).head_flops == 2 * 8192 * 32000 / 8
+    assert prefill_work(cfg, 8, 2048, lm_head_parallel=True).head_flops == 2 * 8192 * 32000 / 8
 
 
 # ---------------------------------------------------------------------------- calibration
 
 
 # SmolLM2-135M (the committed bench files' model) on 2 ranks, slowest rank: 5 query heads, 2 KV heads,
-# 768 MLP channels (cm.rank_share, checked in test_llama2_shapes_and_flops); d = 576 / 9 = 64.
+# 768 MLP channels (block_shares, checked in test_llama2_shapes_and_flops); d = 576 / 9 = 64.
 SMOL = {"L": 30, "h": 576, "d": 64, "q": 5, "kv": 2, "ffn": 768, "V": 49152}
 
 
@@ -194,9 +189,9 @@ def smollm2_tp2_flops(seq: int | None = None, context: int | None = None) -> flo
 
 def test_hand_flops_match_the_model() -> None:
     """The code's work counts equal the hand formulas for the committed bench settings."""
-    cfg = cm.MODELS["smollm2"]
-    assert cm.prefill_work(cfg, 2, 256).flops == pytest.approx(smollm2_tp2_flops(seq=256), rel=1e-12)
-    assert cm.decode_work(cfg, 2, 260).flops == pytest.approx(smollm2_tp2_flops(context=260), rel=1e-12)
+    cfg = MODELS["smollm2"]
+    assert prefill_work(cfg, 2, 256).flops == pytest.approx(smollm2_tp2_flops(seq=256), rel=1e-12)
+    assert decode_work(cfg, 2, 260).flops == pytest.approx(smollm2_tp2_flops(context=260), rel=1e-12)
     assert smollm2_tp2_flops(seq=256) == 29_631_381_504
 
 
@@ -212,12 +207,12 @@ def test_alpha_beta_fit_is_the_closed_form_least_squares() -> None:
     alpha = (sum(a) * sbb - sum(b) * sab) / det
     inv_beta = (saa * sum(b) - sab * sum(a)) / det
     assert alpha > 0 and inv_beta > 0  # the non-negativity constraint is inactive here
-    got_alpha, got_beta = cm.fit_alpha_beta(pts)
+    got_alpha, got_beta, _ = fit_alpha_beta(pts)
     assert got_alpha == pytest.approx(alpha, rel=1e-9)
     assert got_beta == pytest.approx(1 / inv_beta, rel=1e-9)
     # exact: alpha = 20 us, beta = 1 GB/s on 2 ranks -> T = 2 alpha + n / beta
     exact = [(n, 2, 2 * 20e-6 + n / 1e9) for n in (2304, 589824)]
-    assert cm.fit_alpha_beta(exact) == pytest.approx((20e-6, 1e9), rel=1e-9)
+    assert fit_alpha_beta(exact)[:2] == pytest.approx((20e-6, 1e9), rel=1e-9)
 
 
 def test_alpha_beta_from_a_payload_sweep() -> None:
@@ -226,13 +221,13 @@ def test_alpha_beta_from_a_payload_sweep() -> None:
     import random
 
     rng = random.Random(1)
-    pts = [(b, 3, cm.ring_allreduce_time(b, 3, 30e-6, 2e9) * (1 + rng.uniform(-0.01, 0.01)))
+    pts = [(b, 3, ring_all_reduce_s(b, 3, 30e-6, 2e9) * (1 + rng.uniform(-0.01, 0.01)))
            for b in (2304, 73728, 294912, 589824)]
-    alpha, beta, notes = cm.fit_alpha_beta_checked(pts)
+    alpha, beta, notes = fit_alpha_beta(pts)
     assert alpha == pytest.approx(30e-6, rel=0.05) and beta == pytest.approx(2e9, rel=0.05) and notes == []
     flat = [(b, 3, 1e-3) for b in (2304, 73728, 294912)]
-    alpha, beta, notes = cm.fit_alpha_beta_checked(flat)
-    assert alpha == pytest.approx(1e-3 / 4) and beta == cm.BETA_BOUNDS[1] and "degenerate" in notes[0]
+    alpha, beta, notes = fit_alpha_beta(flat)
+    assert alpha == pytest.approx(1e-3 / 4) and beta == BETA_BOUNDS[1] and "degenerate" in notes[0]
 
 
 def test_alpha_beta_fit_of_the_committed_bench_file() -> None:
@@ -245,11 +240,12 @@ def test_alpha_beta_fit_of_the_committed_bench_file() -> None:
                           for ph in ("prefill", "decode"))
     assert (b1, b2) == (589824, 2304) and (t1 - t2) / (b1 - b2) < 0  # exact fit: negative slope 1/beta
     alpha = (1 / t1 + 1 / t2) / (2 * (1 / t1**2 + 1 / t2**2))
-    cal = cm.calibrate([cm.load_bench(NOEMUL, "--calibrate")])
-    assert cal.alpha == pytest.approx(alpha, rel=1e-9) and cal.beta == cm.BETA_BOUNDS[1]
+    cal = calibrate([load_bench(NOEMUL, "--calibrate")])
+    assert cal.alpha == pytest.approx(alpha, rel=1e-9) and cal.beta == BETA_BOUNDS[1]
     assert any("does not grow with the payload" in n and "degenerate" in n for n in cal.fit_notes)
     assert any("from 2 payload size(s): fewer than 3" in n for n in cal.fit_notes)
-    assert cm.fit_alpha_beta([(b, 2, t) for b, t in ((b1, t1), (b2, t2))])[1] == math.inf
+    assert fit_alpha_beta([(b, 2, t) for b, t in ((b1, t1), (b2, t2))])[:2] == pytest.approx((alpha, BETA_BOUNDS[1]),
+                                                                                         rel=1e-9)
 
 
 def _compute_least_squares(path: Path, alpha: float, beta: float) -> np.ndarray:
@@ -272,7 +268,7 @@ def _compute_least_squares(path: Path, alpha: float, beta: float) -> np.ndarray:
 def test_compute_fit_of_the_committed_bench_file() -> None:
     """1/F_eff, t_layer and t_sync fitted to tp2_none.json's 5 plans x (TTFT, decode) are the closed-form
     least-squares solution computed here (all three positive, so the constraint is inactive)."""
-    cal = cm.calibrate([cm.load_bench(NOEMUL, "--calibrate")])
+    cal = calibrate([load_bench(NOEMUL, "--calibrate")])
     inv_f, t_layer, t_sync = _compute_least_squares(NOEMUL, cal.alpha, cal.beta)
     assert min(inv_f, t_layer, t_sync) > 0
     assert cal.compute.flops_per_s == pytest.approx(1 / inv_f, rel=1e-6)
@@ -296,9 +292,9 @@ def test_predictions_of_the_committed_emulated_runs() -> None:
     """Calibrated on tp2_none.json only, the model's TTFT for every plan of the two committed emulated-link
     runs (93 and 30 MB/s + 50 us) equals the formula evaluated here, and is within the documented 15% of
     the TTFT those runs measured."""
-    cal = cm.calibrate([cm.load_bench(NOEMUL, "--calibrate")])
+    cal = calibrate([load_bench(NOEMUL, "--calibrate")])
     files = {str(f): json.loads(f.read_text()) for f in (SHARE30, SHARE55)}
-    rows = [r for r in cm.check(cal, [cm.load_bench(f) for f in (SHARE30, SHARE55)]) if r["what"] == "ttft"]
+    rows = [r for r in check(cal, [load_bench(f) for f in (SHARE30, SHARE55)]) if r["what"] == "ttft"]
     assert len(rows) == 10
     for r in rows:
         plan = next(p for p in files[r["file"]]["plans"] if p["plan"] == r["plan"])
@@ -309,9 +305,9 @@ def test_predictions_of_the_committed_emulated_runs() -> None:
 
 
 def test_calibration_recovers_true_parameters(tmp_path) -> None:
-    runs = [cm.load_bench(write(tmp_path / f"b{S}.json", synthetic_bench(S, seed=S)), "--calibrate")
+    runs = [load_bench(write(tmp_path / f"b{S}.json", synthetic_bench(S, seed=S)), "--calibrate")
             for S in (64, 256)]
-    cal = cm.calibrate(runs)
+    cal = calibrate(runs)
     assert cal.alpha == pytest.approx(TRUE["alpha"], rel=0.1)
     assert cal.beta == pytest.approx(TRUE["beta"], rel=0.1)
     assert cal.compute.flops_per_s == pytest.approx(TRUE["flops"], rel=0.1)
@@ -321,88 +317,31 @@ def test_calibration_recovers_true_parameters(tmp_path) -> None:
 
 def test_calibration_recovers_sync_overhead(tmp_path) -> None:
     true = {**TRUE, "sync": 2e-3}  # every in-forward sync point costs 2 ms more than an isolated all-reduce
-    runs = [cm.load_bench(write(tmp_path / f"b{S}.json", synthetic_bench(S, seed=S, noise=0.005, true=true)))
+    runs = [load_bench(write(tmp_path / f"b{S}.json", synthetic_bench(S, seed=S, noise=0.005, true=true)))
             for S in (64, 256)]
-    cal = cm.calibrate(runs)
+    cal = calibrate(runs)
     assert cal.sync_s == pytest.approx(2e-3, rel=0.15)
     assert cal.compute.flops_per_s == pytest.approx(TRUE["flops"], rel=0.1)
-    assert cm.calibrate(runs, fit_sync=False).sync_s == 0.0
+    assert calibrate(runs, fit_sync=False).sync_s == 0.0
 
 
 def test_calibration_predicts_emulated_runs(tmp_path) -> None:
-    cal_run = cm.load_bench(write(tmp_path / "none.json", synthetic_bench(128, seed=1)), "--calibrate")
-    cal = cm.calibrate([cal_run])
-    checks = [cm.load_bench(write(tmp_path / f"e{i}.json", synthetic_bench(128, link, seed=10 + i)))
+    cal_run = load_bench(write(tmp_path / "none.json", synthetic_bench(128, seed=1)), "--calibrate")
+    cal = calibrate([cal_run])
+    checks = [load_bench(write(tmp_path / f"e{i}.json", synthetic_bench(128, link, seed=10 + i)))
               for i, link in enumerate([Link(3e8, 50e-6), Link(3e7, 50e-6)])]
-    rows = cm.check(cal, [cal_run, *checks])
+    rows = check(cal, [cal_run, *checks])
     ttft = [r for r in rows if r["what"] == "ttft" and not r["calibration"]]
     assert len(ttft) == 2 * len(PLANS)
     assert max(abs(r["rel_err"]) for r in ttft) < 0.06
-    summary = cm.check_summary(rows)
+    summary = check_summary(rows)
     assert summary["heldout_ttft"]["within_tolerance"] and summary["heldout_ttft"]["n"] == 10
 
 
 def test_calibration_refuses_emulated_file(tmp_path) -> None:
-    run = cm.load_bench(write(tmp_path / "e.json", synthetic_bench(128, Link(3e8, 0.0))), "--calibrate")
+    run = load_bench(write(tmp_path / "e.json", synthetic_bench(128, Link(3e8, 0.0))), "--calibrate")
     with pytest.raises(SyncdropError, match="--calibrate .*emulation"):
-        cm.calibrate([run])
-
-
-# ---------------------------------------------------------------------------- cluster
-
-
-def test_70b_prediction_monotone_and_larger_savings_on_slower_links() -> None:
-    cfg = cm.get_model("llama2-70b")
-    links = parse_links("300GB/s,50GB/s,10GB/s")
-    assert [lk.alpha for lk in links] == [1.5e-6, 5e-6, 10e-6]
-    fracs = [i / 10 for i in range(11)]
-    rows = cm.cluster_predict(cfg, 8, links, [128, 2048], fracs)
-    assert len(rows) == 3 * 2 * 11
-    for lk in links:
-        for S in (128, 2048):
-            sub = [r for r in rows if r["link"] == lk.label and r["prompt_len"] == S]
-            ttft = [r["ttft_ms"] for r in sub]
-            assert all(a > b for a, b in zip(ttft, ttft[1:], strict=False))
-            assert sub[0]["ttft_reduction"] == 0.0
-            assert [r["allreduces_per_forward"] for r in sub] == [160 - round(f * 80) for f in fracs]
-    for S in (128, 2048):
-        at70 = [next(r for r in rows if r["link"] == lk.label and r["prompt_len"] == S and r["spd_fraction"] == 0.7)
-                for lk in links]
-        red = [r["ttft_reduction"] for r in at70]
-        assert 0 < red[0] < red[1] < red[2] < 0.5  # at most half the sync points can go
-        assert at70[0]["decode_reduction"] < at70[2]["decode_reduction"]
-    paper = cm.paper_comparison(rows)
-    assert {r["link"] for r in paper} == {"10GB/s"} and [r["prompt_len"] for r in paper] == [128, 2048]
-
-
-# The paper's figure, as published (SPD: Sync-Point Drop, Kim et al., ICML 2025, arXiv 2502.20727):
-# LLaMA2-70B on 8 A100 GPUs over the 10 GB/s link, 70% of blocks SPD (zero-shot): about 19.7% lower
-# latency. (Summarised in the project's method notes, docs/cost_model.md.)
-PAPER_70B_8GPU_10GBPS_SPD70_REDUCTION = 0.197
-
-
-def test_cluster_prediction_by_hand_beside_the_paper() -> None:
-    """LLaMA2-70B, 8 GPUs, 10 GB/s (alpha 10 us), prompt 128, SPD 0% and 70%, evaluated by hand: per-rank
-    weights, FLOPs, the roofline against 156 TFLOP/s (312 x MFU 0.5) and 1.5 TB/s, and 2(N-1) alpha +
-    2(N-1)/N n/beta per all-reduce of 128 x 8192 bf16 values. paper_comparison sets the model's reduction
-    beside the paper's literal figure, and the paper's implied communication share is 0.197 / (56/160).
-    As docs/cost_model.md states, the flat-ring model's saving (and communication share) exceeds the paper's."""
-    L, h, q, kv, d, ffn, V, N, S = 80, 8192, 64 // 8, 1, 128, 28672 // 8, 32000, 8, 128
-    p_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * ffn
-    flops = 2 * L * p_layer * S + 4 * L * q * d * S * (S + 1) / 2 + 2 * h * V / N  # vocab-parallel head
-    weight_bytes = (L * p_layer + h * V / N) * 2
-    compute = max(flops / (312e12 * 0.5), weight_bytes / 1.5e12)
-    ring = 2 * (N - 1) * 10e-6 + 2 * (N - 1) / N * (S * h * 2) / 10e9
-    ttft0, ttft70 = compute + 160 * ring, compute + (160 - 56) * ring
-    rows = cm.cluster_predict(cm.get_model("llama2-70b"), N, parse_links("10GB/s"), [S], [0.0, 0.7])
-    assert [r["ttft_ms"] for r in rows] == pytest.approx([ttft0 * 1e3, ttft70 * 1e3], rel=1e-9)
-    (paper,) = cm.paper_comparison(rows)
-    assert paper["ttft_reduction"] == pytest.approx(1 - ttft70 / ttft0, rel=1e-9)
-    assert paper["ttft_comm_share"] == pytest.approx(160 * ring / ttft0, rel=1e-9)
-    assert paper["paper_latency_reduction"] == PAPER_70B_8GPU_10GBPS_SPD70_REDUCTION
-    assert paper["paper_implied_comm_share"] == pytest.approx(0.197 / (56 / 160), rel=1e-12)
-    assert paper["ttft_reduction"] > PAPER_70B_8GPU_10GBPS_SPD70_REDUCTION
-    assert paper["ttft_comm_share"] > paper["paper_implied_comm_share"]
+        calibrate([run])
 
 
 def test_cli_end_to_end(tmp_path, capsys) -> None:
@@ -436,7 +375,7 @@ def test_predict_cli_on_committed_bench_files(tmp_path, capsys) -> None:
     ar = json.loads(NOEMUL.read_text())["allreduce"]
     t1, t2 = ar["prefill"]["median_ms"] / 1e3, ar["decode"]["median_ms"] / 1e3
     assert cal["alpha_s"] == pytest.approx((1 / t1 + 1 / t2) / (2 * (1 / t1**2 + 1 / t2**2)), rel=1e-9)
-    assert cal["beta_Bps"] == cm.BETA_BOUNDS[1] and cal["files"] == [str(NOEMUL)]
+    assert cal["beta_Bps"] == BETA_BOUNDS[1] and cal["files"] == [str(NOEMUL)]
     assert f"alpha = {cal['alpha_s'] * 1e6:.1f} us, beta = {cal['beta_Bps'] / 1e6:.1f} MB/s (2 timings)" in text
     assert "- fit note: the all-reduce time does not grow with the payload" in text
     emul = json.loads(SHARE30.read_text())
@@ -453,60 +392,6 @@ def test_predict_cli_on_committed_bench_files(tmp_path, capsys) -> None:
     worst = max(abs(_hand_ttft_ms(cal, emul, p["allreduces_per_forward"]) / p["ttft_ms"] - 1) for p in emul["plans"])
     assert res["check"]["summary"]["heldout_ttft"]["max_abs_rel_err"] == pytest.approx(worst, rel=1e-9)
     assert (tmp_path / "cm.md").read_text().count("| ttft |") == 10
-
-
-# ---------------------------------------------------------------------------- the latency bench's bookkeeping
-
-
-class _Counting(SimulatedComm):
-    def __init__(self, tp: int) -> None:
-        super().__init__(tp)
-        self.barriers = 0
-
-    def barrier(self) -> None:
-        self.barriers += 1
-
-
-def test_latency_bench_runs_each_plan_through_model_for(tiny_llama_dir) -> None:
-    """latency_bench never sets a plan: one simulated model per plan (tp=2, one shared communicator),
-    each keeps its own plan, and the all-reduces issued are exactly 2 x 23 timed ones plus, per run,
-    (decode_tokens + 1) forwards x the plan's collectives_per_forward; barriers: one per timed
-    all-reduce and one per run. Rows carry the plan's facts (JSON keys of old files kept)."""
-    from syncdrop.bench.latency import latency_bench
-    from syncdrop.models.loading import resolve_model
-
-    src = resolve_model(str(tiny_llama_dir))
-    L, h = src.config.num_layers, src.config.hidden_size
-    specs = ["none", "all", "partial:0.5", "partial:0"]
-    comm = _Counting(2)
-    models = {s: simulated_model(src.config, src.reader, 2, parse_plan(s, L), comm=comm) for s in specs}
-    plans = [(s, parse_plan(s, L)) for s in specs]
-    by_plan = {id(p): models[s] for s, p in plans}
-    asked = []
-
-    def model_for(plan):
-        asked.append(plan)
-        return by_plan[id(plan)]
-
-    prompt = torch.randint(0, src.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    res = latency_bench(model_for, plans, prompt, decode_tokens=2, reps=2, warmup=1, progress=False)
-    runs = 3  # warmup + reps
-    assert all(models[s].plan.to_dict() == p.to_dict() for s, p in plans)  # nothing was switched
-    # per rep: every plan's generation of 3 forwards, then the baseline's (none: 4 sync points) once more, timed
-    # the payload sweep: 1, 8 // 8 = 1, 8 // 2 = 4 and 8 tokens, i.e. 3 sizes, 23 timed all-reduces each
-    assert [x["tokens"] for x in res["allreduce_sizes"]] == [1, 4, 8]
-    assert comm.calls == 3 * 23 + runs * 3 * (sum(p.collectives_per_forward for _, p in plans) + 4) == 69 + 9 * 14
-    assert comm.barriers == 3 * 23 + runs * (len(plans) + 1)
-    assert len(asked) == 1 + runs * (len(plans) + 1)
-    rows = {r["plan"]: r for r in res["plans"]}
-    assert [(rows[s]["allreduces_per_forward"], rows[s]["comm_units"]) for s in specs] == [(4, 4.0), (2, 2.0),
-                                                                                          (4, 2.0), (0, 0.0)]
-    assert rows["partial:0.5"]["sync_points"][0] == [0, "attn", round(0.5 * h) / h]
-    assert [(rows[s]["ranks_diverge"], rows[s]["vocab_gather"]) for s in ("none", "partial:0")] == [(False, False),
-                                                                                                     (True, True)]
-    assert res["baseline_plan"] == "none"
-    for key in ("spd_fraction", "ttft_ms", "decode_ms", "ideal_saving_ms", "realised_over_ideal", "partial"):
-        assert key in rows["all"], key
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -530,11 +415,11 @@ def test_bad_times_and_model(tmp_path) -> None:
     d = synthetic_bench(128)
     d["plans"][1]["ttft_ms"] = 0.0
     with pytest.raises(SyncdropError, match="--check .*time is zero"):
-        cm.load_bench(write(tmp_path / "zero.json", d))
+        load_bench(write(tmp_path / "zero.json", d))
     d = synthetic_bench(128)
     d["settings"]["num_layers"] = 31
     with pytest.raises(SyncdropError, match="--check .*L=31"):
-        cm.load_bench(write(tmp_path / "shape.json", d))
+        load_bench(write(tmp_path / "shape.json", d))
 
 
 def test_bad_check_file_names_check(tmp_path) -> None:
@@ -569,15 +454,15 @@ def test_compute_counts_come_from_the_runtime_layouts() -> None:
     attention K/V work grows."""
     from syncdrop.parallel.sharding import ShardLayout
 
-    cfg = cm.MODELS["smollm2"]
-    assert cm.rank_share(cfg, 2) == cm.RankShare(5, 2, 768)
-    assert cm.rank_share(cfg, 3) == cm.RankShare(3, 1, 512)
+    cfg = MODELS["smollm2"]
+    assert block_shares(cfg, 2)[0] == RankShare(5, 2, 768)
+    assert block_shares(cfg, 3)[0] == RankShare(3, 1, 512)
     mixed = ShardLayout.build(cfg, 3, head_order=[0, 3, 6, 1, 4, 7, 2, 5, 8])
-    shares = cm.block_shares(cfg, 3, {0: mixed})
-    assert shares[0] == cm.RankShare(3, 3, 512) and set(shares[1:]) == {cm.RankShare(3, 1, 512)}
-    plain, grouped = cm.decode_work(cfg, 3, 100), cm.decode_work(cfg, 3, 100, block_layouts={0: mixed})
+    shares = block_shares(cfg, 3, {0: mixed})
+    assert shares[0] == RankShare(3, 3, 512) and set(shares[1:]) == {RankShare(3, 1, 512)}
+    plain, grouped = decode_work(cfg, 3, 100), decode_work(cfg, 3, 100, block_layouts={0: mixed})
     h, d = cfg.hidden_size, cfg.head_dim
     assert grouped.matmul_flops - plain.matmul_flops == 2.0 * 2 * h * 2 * d  # K and V of 2 more KV heads
     assert grouped.bytes_read - plain.bytes_read == (2 * h * 2 * d + 2 * 2 * d * 100) * 4
     with pytest.raises(SyncdropError, match="--gpus 10: must be between 1 and the model's 9 query heads"):
-        cm.block_shares(cfg, 10)
+        block_shares(cfg, 10)

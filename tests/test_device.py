@@ -312,13 +312,14 @@ def case_weights_cross_in_the_model_dtype(tiny_llama_dir) -> None:
 
 
 def case_partial_reduce_random_mask() -> None:
-    """Communicator.partial_reduce with a random mask draws its channels on the partials' device."""
+    """The partial channel reduce with a random mask draws its channels on the partials' device."""
     from syncdrop.parallel.comm import SimulatedComm
+    from syncdrop.plan.modes import partial_channel_reduce
 
     g = _REAL_GENERATOR().manual_seed(0)
     y, b = torch.randn(3, 7, 16, generator=g), torch.randn(16, generator=g)
-    out = SimulatedComm(3).partial_reduce(y.to(DEVICE), 5, b.to(DEVICE), mask="random")
-    assert torch.equal(_on(out, (3, 7, 16)), SimulatedComm(3).partial_reduce(y, 5, b, mask="random"))
+    out = partial_channel_reduce(SimulatedComm(3), y.to(DEVICE), 5, b.to(DEVICE), mask="random")
+    assert torch.equal(_on(out, (3, 7, 16)), partial_channel_reduce(SimulatedComm(3), y, 5, b, mask="random"))
 
 
 def case_perplexity(tiny_llama_dir) -> None:

@@ -638,7 +638,7 @@ def test_distilled_directory_errors(tiny_llama_dir: Path, tmp_path: Path) -> Non
         ("tp", {"tp": 0}, "tp must be a positive integer"),
         ("gone", {"blocks": {"1": {"file": "blocks/missing.safetensors"}}}, "block 1: file .* is missing"),
         ("self", {"base_model": str(tmp_path / "self")}, "its base_model points at itself"),
-        ("short", {"plan": {"blocks": [{"attn": "drop"}]}, "blocks": {}}, "plan has 1 blocks, base model"),
+        ("short", {"plan": {"blocks": [{"attn": "drop"}]}, "blocks": {}}, "plan has 1 blocks but the model has"),
     ]:
         with pytest.raises(SyncdropError, match=match):
             resolve_model(str(_distilled_dir(tiny_llama_dir, tmp_path / name, None, **over)))

@@ -141,7 +141,8 @@ def test_partial_plans_parse_and_round_trip(tmp_path) -> None:
         with pytest.raises(SyncdropError, match=msg):
             parse_plan(spec, 4)
     bad = {"blocks": [{"attn": "naive", "mlp": {"partial": 0.5}}]}
-    with pytest.raises(SyncdropError, match="partial MLP sync"):
+    with pytest.raises(SyncdropError, match="MLP sync point in mode partial:0.5 combines with attn full, drop, "
+                                            "partial, not naive"):
         SyncPlan.from_dict(bad)
     with pytest.raises(SyncdropError, match=r"\[0, 1\]"):
         SyncPlan.from_dict({"blocks": [{"attn": {"partial": 2}}]})

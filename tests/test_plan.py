@@ -13,7 +13,7 @@ from syncdrop.errors import SyncdropError
 from syncdrop.parallel.block import block_forward
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import simulated_model
-from syncdrop.plan import BlockSync, Partial, SyncPlan, SyncPoint, parse_plan, split_plan_list
+from syncdrop.plan import DROP, BlockSync, Naive, Partial, SyncPlan, SyncPoint, parse_plan, split_plan_list
 
 
 def test_spec_forms() -> None:
@@ -23,8 +23,8 @@ def test_spec_forms() -> None:
     assert parse_plan("first:2", 6).dropped == [0, 1]
     assert parse_plan("last:0", 6).dropped == []
     assert parse_plan("blocks:0,3, 5", 6).dropped == [0, 3, 5]
-    assert {b.attn for b in parse_plan("all", 4, "naive").blocks} == {"naive"}
-    assert parse_plan("blocks:1", 4).blocks[1].attn == "drop"
+    assert {b.attn for b in parse_plan("all", 4, "naive").blocks} == {Naive()}
+    assert parse_plan("blocks:1", 4).blocks[1].attn == DROP and str(DROP) == "drop"
     assert parse_plan("all", 4).spd_fraction == 1.0
     assert parse_plan("frac:0.5", 6).dropped == [3, 4, 5]
     assert parse_plan("frac:0", 6).dropped == [] and parse_plan("frac:1", 6).dropped == list(range(6))
@@ -163,6 +163,7 @@ class _CountingComm(SimulatedComm):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.widths.append(x.shape[-1])
+        self.bytes_per_rank = getattr(self, "bytes_per_rank", 0) + x[0].numel() * x.element_size()  # (R, M, w)
         return super().all_reduce(x)
 
 
@@ -202,6 +203,8 @@ def test_simulated_forward_issues_the_plans_collectives(tiny4, name: str) -> Non
     model(ids)
     assert comm.calls == plan.collectives_per_forward
     assert comm.widths == [round(p.payload * cfg.hidden_size) for p in plan.sync_points(cfg.hidden_size)]
+    # what each mode says it puts on the wire is what the block hands the all-reduce (link emulation, cost model)
+    assert getattr(comm, "bytes_per_rank", 0) == plan.wire_bytes(7, cfg.hidden_size, 4)
 
 
 @pytest.mark.parametrize("name", list(FORWARD_PLANS))
@@ -216,6 +219,6 @@ def test_ranks_diverge_matches_the_block_code(tiny4, name: str) -> None:
     differed = False
     with torch.inference_mode():
         for i, b in enumerate(plan.blocks):
-            x = block_forward(x, model.blocks[i], model.geos[i], cfg, model.comm, ctx, b.attn, None, b.mlp)
+            x = block_forward(x, model.blocks[i], model.geos[i], cfg, model.comm, ctx, b)
             differed |= x.shape[0] > 1 and (x[0] - x[1]).abs().max().item() > 1e-6  # (R, M, h)
     assert plan.ranks_diverge is differed

@@ -242,7 +242,7 @@ def _benchmark(name: str = "recovery_sweep"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -250,7 +250,7 @@ def _benchmark(name: str = "recovery_sweep"):
 
 
 def test_sweep_result_outlives_its_model_directory(tiny_llama_dir, tmp_path) -> None:
-    """benchmarks/recovery_sweep.py: the per-window NLL its ``evaluate`` wrote for a distilled directory stands
+    """experiments/recovery_sweep.py: the per-window NLL its ``evaluate`` wrote for a distilled directory stands
     for that directory once the directory is gone (a fresh clone), and only then; other windows or another
     plan never match."""
     import shutil
@@ -274,7 +274,7 @@ def test_sweep_result_outlives_its_model_directory(tiny_llama_dir, tmp_path) -> 
 
 
 def test_compare_on_the_first_windows_of_a_longer_evaluation(tiny_llama_dir, tmp_path, capsys) -> None:
-    """benchmarks/recovery_compare.py ``@N``: the first N windows of a longer evaluation are the windows of an
+    """experiments/recovery_compare.py ``@N``: the first N windows of a longer evaluation are the windows of an
     N-window one (the model's ratio to itself there is exactly 1); against another model the ratio is its own;
     files of other lengths, and N beyond a file, exit with the reason."""
     import json
@@ -301,9 +301,9 @@ def test_compare_on_the_first_windows_of_a_longer_evaluation(tiny_llama_dir, tmp
 
 
 def test_sweep_rows_carry_the_e2e_curve_and_the_scan_summary_keeps_its_file(tiny_llama_dir, tmp_path) -> None:
-    """benchmarks/recovery_sweep.py ``e2e_curve``: an end-to-end directory's held-out KL curve as its manifest
+    """experiments/recovery_sweep.py ``e2e_curve``: an end-to-end directory's held-out KL curve as its manifest
     records it (start, then one value per epoch), None once the directory is gone; and
-    benchmarks/recovery_scan_summary.py leaves an existing summary alone when it finds no curve at all."""
+    experiments/recovery_scan_summary.py leaves an existing summary alone when it finds no curve at all."""
     import json
     import shutil
 
@@ -329,7 +329,7 @@ def test_sweep_rows_carry_the_e2e_curve_and_the_scan_summary_keeps_its_file(tiny
 
 
 def test_two_sweeps_into_one_out_keep_both_stage_times(tmp_path) -> None:
-    """benchmarks/recovery_sweep.py ``Times``: two sweeps that share an OUT (two fractions side by side) both
+    """experiments/recovery_sweep.py ``Times``: two sweeps that share an OUT (two fractions side by side) both
     read the files before either stage ends; each stage's time survives the other's write, and a stage that is
     already on disk is not timed again."""
     import json
@@ -347,7 +347,7 @@ def test_two_sweeps_into_one_out_keep_both_stage_times(tmp_path) -> None:
 
 
 def test_zero_shot_keeps_a_gone_model_directory_from_its_task_files(tmp_path) -> None:
-    """benchmarks/zero_shot_spd.py: a ``--model-dirs`` configuration whose directory is gone is rebuilt from
+    """experiments/zero_shot_spd.py: a ``--model-dirs`` configuration whose directory is gone is rebuilt from
     its per-task files only when every task is there, scored from that directory at these limits."""
     import json
 

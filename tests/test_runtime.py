@@ -113,12 +113,13 @@ def test_single_process_runtime(node) -> None:
     (["--device", "cuda:0"], "--device cuda:0: no CUDA device is available"),
     (["--device", "gpu"], "--device must be auto | cpu | cuda | cuda:N, got 'gpu'"),
 ])
-def test_cli_refuses_devices_this_machine_lacks(tiny_llama_dir, args: list[str], match: str) -> None:
-    """On this CPU-only machine: exit 2, one line naming the flag, no traceback, no rank started."""
+def test_cli_refuses_devices_this_machine_lacks(tiny_llama_dir, text_file, args: list[str], match: str) -> None:
+    """On this CPU-only machine: exit 2, one line naming the flag, no traceback, no rank started. An explicit
+    --dataset: the default (auto) logs a fallback warning first where WikiText-2 is absent (a newcomer's clone)."""
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     r = subprocess.run([sys.executable, "-m", "syncdrop.cli", "ppl", "--model", str(tiny_llama_dir), "--tp", "2",
-                        *args], capture_output=True, text=True, timeout=120)
+                        "--dataset", str(text_file), *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -19,6 +19,7 @@ from syncdrop.models.rope import inv_frequencies, rope_tables
 from syncdrop.parallel.block import ForwardContext, block_forward
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import simulated_model
+from syncdrop.plan import BlockSync
 
 # Rank partition for N=2 of a 6-head model: heads 0-2 | 3-5, MLP channels first half | second half.
 HEADS = [[0, 1, 2], [3, 4, 5]]
@@ -121,7 +122,7 @@ def test_executor_block_matches_hand_written_two_rank_reference(family, mode, re
     if cfg.uses_rope:
         cos, sin = rope_tables(inv_frequencies(cfg), torch.arange(S), torch.float32)
     out = block_forward(X.reshape(1, B * S, -1), model.blocks[0], model.geo, cfg, SimulatedComm(2),
-                        ForwardContext(B, S, cos, sin), mode)
+                        ForwardContext(B, S, cos, sin), BlockSync(attn=mode))
     ref = reference_block(X, W, cfg, mode)
     # one stream shared by the ranks (leading dim 1), or one per rank (naive: the streams diverge)
     assert out.shape[0] == 2 if mode == "naive" else out.shape[0] in (1, 2)
@@ -141,8 +142,8 @@ def test_bias_in_sum_counts_biases_n_times(tiny_opt_dir) -> None:
     X = torch.randn(1, B * S, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     ctx = ForwardContext(B, S, None, None)
     comm = SimulatedComm(2)
-    spd = block_forward(X, model.blocks[0], model.geo, cfg, comm, ctx, "drop")
-    bis = block_forward(X, model.blocks[0], model.geo, cfg, comm, ctx, "bias-in-sum")
+    spd = block_forward(X, model.blocks[0], model.geo, cfg, comm, ctx, BlockSync(attn="drop"))
+    bis = block_forward(X, model.blocks[0], model.geo, cfg, comm, ctx, BlockSync(attn="bias-in-sum"))
     extra = dense["layers.0.o.bias"] + dense["layers.0.down.bias"]
     assert extra.abs().max() > 1e-3
     assert torch.allclose(bis - spd, extra.expand_as(spd), atol=1e-5)

@@ -51,5 +51,6 @@ def test_a_failed_engine_start_is_one_line_naming_the_log(tiny_vllm_dir, tmp_pat
     with pytest.raises(SyncdropError) as e:
         run_job({"model": str(exported.out), "tp": 2, "prompts": [[1, 2, 3]], "max_tokens": 1}, tmp_path / "v.log")
     msg = str(e.value)
-    assert "syncdrop plugin: partial-sync (CAAT-Net) plans are not served" in msg
+    assert "syncdrop plugin: config.json syncdrop_plan cannot be served by vLLM: partial-sync (CAAT-Net) plans are " \
+        "not served" in msg
     assert f"log: {tmp_path / 'v.log'}" in msg and "\n" not in msg

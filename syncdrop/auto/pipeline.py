@@ -1,9 +1,11 @@
 """``syncdrop auto``: profile -> plan -> distil -> evaluate -> benchmark -> choose -> report.
 
-Every stage writes its result to ``DIR/<stage>.json`` together with the SHA-256 of its inputs
-(settings and the digests of the results it used, :func:`_result_key`); a rerun with the same inputs
-loads it instead of recomputing, and an interrupted run resumes at the first stage without a valid
-file (distillation also resumes inside the stage, block by block).
+Every stage runs in this process and hands its result to the later stages in memory. It also writes
+the result to ``DIR/<stage>.json`` (atomically) together with the SHA-256 of its inputs (settings and
+the digests of the results it used, :func:`_result_key`): that file is only read by a later run, which
+loads it instead of recomputing when the inputs are the same, so an interrupted run resumes at the
+first stage without a valid file (distillation also resumes inside the stage, block by block).
+Candidate SPD fraction ``F`` names its files ``spdNNN`` (:func:`candidate_name`).
 
 Data (:mod:`syncdrop.eval.data`, resolved once at the start, and part of the stage inputs so that a
 run on other data recomputes): calibration (profile, distillation) on ``auto:valid``, perplexity on
@@ -18,15 +20,17 @@ Stages:
    first, tiers by tau).
 3. ``distill``: B2B / HG+B2B for the tiered blocks of the *largest* candidate (blocks are independent,
    so smaller candidates reuse the same blocks); every candidate becomes a ``--model`` directory
-   ``DIR/models/spdNN`` whose manifest points at those blocks.
+   ``DIR/models/spdNNN`` whose manifest points at those blocks.
 4. ``ppl``: test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot and distilled.
-5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate
-   (skipped when lm-eval is not installed or no task data can be found).
-6. ``bench``: ``syncdrop bench --launch`` (``--engine vllm``: ``syncdrop bench --engine vllm``, the
-   candidates served in vLLM) without and with the link emulation (time to first token, decode step per
-   candidate), and the cost model calibrated on the first, predicting the second. In syncdrop's runtime
-   both links run in one bench, interleaved (``--links none,LINK``), so that machine drift between two
-   runs cannot bias the prediction.
+5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate, in
+   this process (skipped when lm-eval is not installed or no task data can be found); each model's
+   ``syncdrop eval`` result is kept as ``zeroshot_dense.json`` / ``zeroshot_chosen.json``.
+6. ``bench``: :func:`syncdrop.bench.run.run_bench`, which starts the ``--tp`` ranks itself and returns
+   rank 0's results here (``--engine vllm``: the candidates served in vLLM), without and with the link
+   emulation (time to first token, decode step per candidate), and the cost model calibrated on the
+   first, predicting the second. In syncdrop's runtime both links run in one bench, interleaved (links
+   ``none`` and the user's), so that machine drift between two runs cannot bias the prediction. The
+   results are kept as ``bench_noemul.json`` / ``bench_link.json`` (and ``.md`` tables).
 7. ``choice``: a candidate other than dense only when the measurement supports it: its perplexity
    increase (distilled, else zero-shot) is within ``--max-ppl-increase``, its measured TTFT gain over
    dense on the user's emulated link is significant (the 95% interval of TTFT / dense lies below 1)
@@ -46,8 +50,6 @@ import hashlib
 import json
 import logging
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,7 +93,7 @@ class AutoSettings:
     e2e_lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md)
 
     def runtime(self):
-        """The single-process runtime of the in-process stages (the bench runs `syncdrop bench --launch`)."""
+        """The single-process runtime of the stages other than the bench (whose ranks run_bench starts)."""
         from syncdrop.runtime import choose_runtime
 
         return choose_runtime("simulated", self.device)
@@ -108,32 +110,44 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def candidate_name(fraction: float) -> str:
+    """The name of SPD fraction ``fraction``'s files: its plan ``plans/NAME.json``, its model directory
+    ``models/NAME`` (``models/NAME_e2e`` after end-to-end distillation): ``spd050`` for 0.5."""
+    return f"spd{round(fraction * 100):03d}"
+
+
 class Stages:
-    """Cached stage results under ``root`` (see the module docstring)."""
+    """Cached stage results under ``root`` (see the module docstring). ``sha256[name]``: the SHA-256 of the
+    stage's file as written (or found), for results that record which file they came from."""
 
     def __init__(self, root: Path, progress: bool) -> None:
         self.root, self.progress = root, progress
+        self.sha256: dict[str, str] = {}
         root.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, inputs: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        from syncdrop.io_utils import atomic_write_json
+        from syncdrop.io_utils import atomic_write_bytes
 
         path = self.root / f"{name}.json"
         key = _sha(inputs)
         if path.exists():
             try:
-                d = json.loads(path.read_text())
-                if d.get("inputs_sha256") == key:
+                raw = path.read_bytes()
+                d = json.loads(raw)
+                if isinstance(d, dict) and d.get("inputs_sha256") == key:
                     log.info("stage %s: cached (%s)", name, path)
                     if self.progress:
                         print(f"[auto] {name}: cached")
+                    self.sha256[name] = hashlib.sha256(raw).hexdigest()
                     return d
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 pass
         if self.progress:
             print(f"[auto] {name} ...", flush=True)
         d = {**fn(), "inputs_sha256": key}
-        atomic_write_json(path, d)
+        raw = (json.dumps(d, indent=2) + "\n").encode()
+        atomic_write_bytes(path, raw)
+        self.sha256[name] = hashlib.sha256(raw).hexdigest()
         return d
 
 
@@ -171,12 +185,13 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                   lambda: _profile(s, root, calib))
     # SPD 0 (dense) is always a candidate: the perplexity budget is relative to it
     fractions = sorted(set(s.fractions) | {0.0} | ({s.spd} if s.spd is not None else set()))
-    plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2], lambda: _plans(s, root, fractions))
+    plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2],
+                   lambda: _plans(s, root, fractions, prof, st.sha256["profile"]))
     dist = st.run("distill", [_result_key(plans), s.distill_samples, s.distill_epochs, s.lr, s.seq_len,
                               s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr],
                   lambda: _distill(s, root, plans, calib))
     ppl = st.run("ppl", [_result_key(dist), s.eval_windows, s.seq_len, test.info()],
-                 lambda: _ppl(s, root, plans, test))
+                 lambda: _ppl(s, plans, dist, test))
     bench = st.run("bench", [_result_key(plans), link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
                              s.max_reps, "links interleaved" if s.engine == "syncdrop" else "two runs"],
                    lambda: _bench(s, root, plans, link))
@@ -214,14 +229,18 @@ def _profile(s: AutoSettings, root: Path, calib=None) -> dict[str, Any]:
     return d
 
 
-def _plans(s: AutoSettings, root: Path, fractions: list[float]) -> dict[str, Any]:
-    from syncdrop.spd.planning import load_profile, make_plan
+def _plans(s: AutoSettings, root: Path, fractions: list[float], prof: dict[str, Any],
+           prof_sha256: str) -> dict[str, Any]:
+    """One plan per fraction from the profile stage's result (``prof``, its file's SHA-256 recorded in
+    each plan as :func:`~syncdrop.spd.planning.load_profile` would)."""
+    from syncdrop.spd.planning import LoadedProfile, make_plan, validate_profile
 
-    prof = load_profile(root / "profile.json")
+    path = root / "profile.json"
+    loaded = LoadedProfile(validate_profile(prof, f"profile file {path}"), str(path), prof_sha256)
     out = {}
     for f in fractions:
-        plan = make_plan(prof, spd=f, tau1=s.tau1, tau2=s.tau2)
-        path = root / "plans" / f"spd{round(f * 100):03d}.json"
+        plan = make_plan(loaded, spd=f, tau1=s.tau1, tau2=s.tau2)
+        path = root / "plans" / f"{candidate_name(f)}.json"
         plan.save(path)
         out[f"{f:g}"] = {"fraction": f, "path": str(path), "dropped": plan.dropped, "tiers": plan.meta["tiers"],
                          "predicted_ppl": plan.meta["predicted_ppl"]}
@@ -285,7 +304,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
         block_s = time.perf_counter() - t0
     models, spent = {}, {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
-        d = root / "models" / f"spd{round(c['fraction'] * 100):03d}"
+        d = root / "models" / candidate_name(c["fraction"])
         plan = SyncPlan.load(c["path"], L)
         if trained:
             write_subset(d, bank, plan, base_spec(s.model), s.tp)
@@ -296,7 +315,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
         models[key] = str(d)
         if rplan.methods[key] in ("b2b+e2e", "e2e"):
             t0 = time.perf_counter()
-            e2e_dir = root / "models" / f"spd{round(c['fraction'] * 100):03d}_e2e"
+            e2e_dir = root / "models" / f"{candidate_name(c['fraction'])}_e2e"
             e2e_distill(str(d) if trained else s.model, s.tp, plan, train_w[: rplan.e2e_windows[key]], held_w, e2e_dir,
                         e2e_settings, data.info(), progress=False, device=device)
             spent[key] = time.perf_counter() - t0
@@ -308,13 +327,13 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
                          "total_measured_s": time.perf_counter() - t_start}}
 
 
-def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any], test=None) -> dict[str, Any]:
+def _ppl(s: AutoSettings, plans: dict[str, Any], dist: dict[str, Any], test=None) -> dict[str, Any]:
     """Test perplexity of every candidate: zero-shot (the base model under the candidate's plan) and
-    distilled (the candidate's ``--model`` directory under its own plan), both built by the runtime."""
+    distilled (the candidate's ``--model`` directory of the distill stage's result ``dist``, under its own
+    plan), both built by the runtime."""
     from syncdrop.eval.perplexity import perplexity
     from syncdrop.plan import SyncPlan
 
-    dist = json.loads((root / "distill.json").read_text())
     rt = s.runtime()
     base = rt.build(s.model, s.tp, "none", progress=False)
     L = base.source.config.num_layers
@@ -332,62 +351,54 @@ def _ppl(s: AutoSettings, root: Path, plans: dict[str, Any], test=None) -> dict[
             "dense_ppl": dense, "rows": rows}
 
 
-def _syncdrop(args: list[str]) -> None:
-    r = subprocess.run([sys.executable, "-m", "syncdrop", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        raise SyncdropError(f"`syncdrop {' '.join(args[:1])}` failed (exit {r.returncode}): {tail}")
-
-
 def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str, Any]:
-    from syncdrop.bench import cost_model as cm
+    """Every candidate timed by :func:`syncdrop.bench.run.run_bench` (its results come back here in memory;
+    kept as ``bench_noemul.json`` and, with a link, ``bench_link.json``), the cost model calibrated on the
+    un-emulated run and checked on both."""
+    from dataclasses import replace
 
-    paths = [c["path"] for c in sorted(plans["candidates"].values(), key=lambda c: c["fraction"])]
-    where = ["--engine", "vllm"] if s.engine == "vllm" else ["--launch", "--device", s.device]
-    common = ["--model", s.model, "--tp", str(s.tp), *where, "--plans", ",".join(paths), "--prompt-len",
-              str(s.prompt_len), "--decode-tokens", str(s.decode_tokens), "--reps", str(s.reps), "--max-reps",
-              str(s.max_reps), "-q"]
-    if s.data_dir:
-        common += ["--data-dir", s.data_dir]
-    noemul, emul = root / "bench_noemul.json", root / "bench_link.json"
-    lk = []
-    if s.link_bandwidth:
-        lk += ["--link-bandwidth", s.link_bandwidth]
-    if s.link_latency:
-        lk += ["--link-latency", s.link_latency]
-    files = [noemul]
+    from syncdrop.bench import run as bench_run
+    from syncdrop.bench.cost.bench_files import load_bench
+    from syncdrop.bench.cost.check import check
+    from syncdrop.bench.cost.fit import calibrate
+    from syncdrop.bench.latency import markdown_table
+    from syncdrop.bench.ring import Link
+    from syncdrop.io_utils import atomic_write_json, atomic_write_text
+
+    cands = sorted(plans["candidates"].values(), key=lambda c: c["fraction"])
+    settings = bench_run.BenchSettings(
+        model=s.model, tp=s.tp, plans=tuple(c["path"] for c in cands), prompt_len=s.prompt_len,
+        decode_tokens=s.decode_tokens, reps=s.reps, max_reps=s.max_reps, data_dir=s.data_dir, device=s.device,
+        engine=s.engine, work_dir=str(root / "vllm_bench"))
     if link.active and s.engine == "syncdrop":
         # one run, the two links interleaved like the plans: the calibration (no emulation) and the
-        # user's link see the same machine (bench --links writes bench_none.json and bench_link.json)
+        # user's link see the same machine
         user = f"{s.link_bandwidth or 'inf'}+{s.link_latency or '0us'}"
-        _syncdrop(["bench", *common, "--links", f"none,{user}", "--json", str(root / "bench.json")])
-        (root / "bench_none.json").replace(noemul)
-        (root / "bench_none.md").replace(noemul.with_suffix(".md"))
-        from syncdrop.bench.ring import link_slug
-
-        (root / f"bench_{link_slug(user)}.json").replace(emul)
-        (root / f"bench_{link_slug(user)}.md").replace(emul.with_suffix(".md"))
-        files.append(emul)
+        docs = bench_run.run_bench(replace(settings, links=(("none", Link()), (user, link))))
     else:
-        _syncdrop(["bench", *common, "--json", str(noemul)])
+        docs = bench_run.run_bench(settings)
         if link.active:
-            _syncdrop(["bench", *common, *lk, "--json", str(emul)])
-            files.append(emul)
-    frac = {c["path"]: c["fraction"] for c in plans["candidates"].values()}
+            docs = docs + bench_run.run_bench(replace(settings, link=link))
+    files = [root / "bench_noemul.json", root / "bench_link.json"][: len(docs)]
+    for f, d in zip(files, docs, strict=True):
+        atomic_write_json(f, d)
+        atomic_write_text(f.with_suffix(".md"), markdown_table(d))
+    frac = {c["path"]: c["fraction"] for c in cands}
     target = str(files[-1])
     try:
-        cal = cm.calibrate([cm.load_bench(str(noemul), "--calibrate")])
-        rows, calibration = cm.check(cal, [cm.load_bench(str(f)) for f in files]), cal.to_dict()
+        # the cost model parses bench results from their files only (load_bench reads the file just written)
+        runs = [load_bench(str(f), "--calibrate" if i == 0 else "--check") for i, f in enumerate(files)]
+        cal = calibrate(runs[:1])
+        rows, calibration = check(cal, runs), cal.to_dict()
     except SyncdropError as e:  # e.g. a model so small that compute is lost in the noise
         log.warning("cost model not fitted: %s; choosing by measured latency", e)
         rows, calibration = [], {"error": str(e)}
-        for f in files:
-            d = json.loads(Path(f).read_text())
+        for f, d in zip(files, docs, strict=True):
             rows += [{"file": str(f), "what": w, "plan": p["plan"], "spd_fraction": p["spd_fraction"],
                       "measured_ms": p[f"{w}_ms"], "predicted_ms": None}
                      for p in d["plans"] for w in ("ttft", "decode")]
-    measured = {(str(f), p["plan"], w): p for f in files
-                for p in json.loads(Path(f).read_text())["plans"] for w in ("ttft", "decode")}
+    measured = {(str(f), p["plan"], w): p for f, d in zip(files, docs, strict=True)
+                for p in d["plans"] for w in ("ttft", "decode")}
     out = []
     for r in rows:
         if r["what"] in ("ttft", "decode"):
@@ -397,7 +408,18 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
                         "predicted_ms": r["predicted_ms"], "samples_ms": m.get(f"{w}_samples_ms"),
                         "ci_ms": m.get(f"{w}_ci_ms"), "over_dense": m.get(f"{w}_over_baseline"),
                         "over_dense_ci": m.get(f"{w}_over_baseline_ci")})
-    return {"files": [str(f) for f in files], "calibration": calibration, "rows": out}
+    return {"files": [str(f) for f in files], "calibration": calibration, "rows": out, "comm": _comm(docs[-1])}
+
+
+def _comm(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """What the sync points of the dense forward took on the decision link (measured inside the forward,
+    slowest rank), for the report; None for a bench result without that measurement."""
+    try:
+        base = next(p for p in doc["plans"] if p["plan"] == doc["baseline_plan"])
+        return {"sync_points": len(doc["sync_points"]["points"]),
+                "prefill_total_ms": doc["sync_points"]["prefill_total_ms"], "baseline_ttft_ms": base["ttft_ms"]}
+    except (KeyError, StopIteration, TypeError):
+        return None
 
 
 def _export(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, Any]:
@@ -483,7 +505,7 @@ def _choose(s: AutoSettings, plans, ppl, bench, dist=None) -> dict[str, Any]:
             recommend = True
     key = f"{pick['fraction']:g}"
     model_dir = (dist or {}).get("models", {}).get(key) or str(
-        Path(plans["candidates"][key]["path"]).parent.parent / "models" / f"spd{round(pick['fraction'] * 100):03d}")
+        Path(plans["candidates"][key]["path"]).parent.parent / "models" / candidate_name(pick["fraction"]))
     return {"candidates": cands, "chosen": pick, "reason": why, "recommend_dense": recommend, "decision_link": link,
             "plan": plans["candidates"][key]["path"], "model_dir": model_dir}
 
@@ -515,18 +537,30 @@ def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any], skip: str | N
     if skip is not None:
         log.warning("zero-shot tasks skipped: %s", skip)
         return {"skipped": skip}
-    res = {}
+    import argparse
+    import time
+
+    from syncdrop.eval.cli import LM_EVAL_BOOTSTRAP_ITERS, evaluate, report
+    from syncdrop.eval.harness import SyncdropLM
+    from syncdrop.eval.tasks import parse_tasks, resolve_task_data
+    from syncdrop.io_utils import atomic_write_json
+
+    names = parse_tasks(s.zs_tasks)
+    data = resolve_task_data(names, s.data_dir)
+    rt = s.runtime()
     chosen = choice["model_dir"] if choice["chosen"]["variant"] == "distilled" else s.model
     plan = None if chosen != s.model else choice["plan"]
+    res, doc = {}, {}
     for name, model, p in (("dense", s.model, "none"), ("chosen", chosen, plan)):
-        out = root / f"zeroshot_{name}.json"
-        args = ["eval", "--model", model, "--tp", str(s.tp), "--tasks", s.zs_tasks, "--limit", str(s.zs_limit),
-                "--device", s.device, "--json", str(out), "-q"]
-        if p is not None:
-            args += ["--plan", p]
-        if s.data_dir:
-            args += ["--data-dir", s.data_dir]
-        _syncdrop(args)
-        res[name] = json.loads(out.read_text())["results"]
+        # what `syncdrop eval --model MODEL --tp TP [--plan P] --tasks .. --limit .. --json ..` computes
+        built = rt.build(model, s.tp, p, progress=False)
+        lm = SyncdropLM(built=built, progress=False)
+        t0 = time.perf_counter()
+        raw = evaluate(lm, names, data, s.zs_limit, LM_EVAL_BOOTSTRAP_ITERS, quiet=True)
+        args = argparse.Namespace(model=model, tp=s.tp, dtype=rt.dtype_name, tasks=s.zs_tasks, limit=s.zs_limit,
+                                  batch_size=lm.batch_size, bootstrap_iters=LM_EVAL_BOOTSTRAP_ITERS)
+        doc = report(raw, built, args, data, time.perf_counter() - t0, lm, names, built.memory())
+        atomic_write_json(root / f"zeroshot_{name}.json", doc)
+        res[name] = doc["results"]
     return {"tasks": s.zs_tasks.split(","), "limit": s.zs_limit, "results": res,
-            "data": json.loads(out.read_text())["settings"].get("data")}
+            "data": doc["settings"].get("data")}

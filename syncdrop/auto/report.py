@@ -32,15 +32,22 @@ def _figure(draw, path: Path) -> bytes:
 
 
 def _comm_share(bench: dict[str, Any]) -> list[str]:
-    """How much of dense prefill the sync points took on the decision link (measured inside the forward)."""
-    try:
-        run = json.loads(Path(bench["files"][-1]).read_text())
-        base = next(p for p in run["plans"] if p["plan"] == run["baseline_plan"])
-        sync = run["sync_points"]["prefill_total_ms"]
-    except (OSError, KeyError, StopIteration, ValueError, IndexError):
+    """How much of dense prefill the sync points took on the decision link (measured inside the forward):
+    the bench stage's ``comm``; a bench stage cached before it had one: from its decision-link file."""
+    if "comm" in bench:
+        c = bench["comm"]
+    else:
+        from syncdrop.auto.pipeline import _comm
+
+        try:
+            c = _comm(json.loads(Path(bench["files"][-1]).read_text()))
+        except (OSError, KeyError, ValueError, IndexError):
+            c = None
+    if not c:
         return []
-    return [f"Communication: on this link the {len(run['sync_points']['points'])} sync points of the dense forward "
-            f"took {sync:.0f} ms of its {base['ttft_ms']:.0f} ms TTFT ({sync / base['ttft_ms']:.0%}), measured "
+    sync, ttft = c["prefill_total_ms"], c["baseline_ttft_ms"]
+    return [f"Communication: on this link the {c['sync_points']} sync points of the dense forward "
+            f"took {sync:.0f} ms of its {ttft:.0f} ms TTFT ({sync / ttft:.0%}), measured "
             "inside the forward (slowest rank).", ""]
 
 

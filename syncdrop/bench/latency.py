@@ -132,7 +132,7 @@ def latency_bench(
     all links alike, so a cost model calibrated on one link and checked on the others sees the same
     machine. Returns ``{label: result}`` with one result per link (each as without ``links``).
     """
-    from tqdm import tqdm
+    from syncdrop.progress import progress_bar
 
     if not plans:
         raise ValueError("latency_bench needs at least one plan")
@@ -160,8 +160,8 @@ def latency_bench(
     gather_prefill: dict = {label: [] for label, _ in conds}
     rep = 0
     converged = False
-    with tqdm(total=(warmup + max_reps) * (len(plans) + 1) * len(conds), desc="bench", unit="run",
-              disable=not progress, leave=False) as bar:
+    with progress_bar(total=(warmup + max_reps) * (len(plans) + 1) * len(conds), desc="bench", unit="run",
+                      disable=not progress, leave=False) as bar:
         while True:
             for label, link in conds:
                 if link is not None:

@@ -11,7 +11,7 @@ joined by a link of per-step latency ``alpha`` (``--link-latency``) and bandwidt
 (a ring all-reduce is a reduce-scatter and an all-gather, ``N - 1`` steps each, every step moving
 ``n / N`` bytes; one rank: 0). :func:`~syncdrop.bench.ring.ring_all_reduce_s` and
 :func:`~syncdrop.bench.ring.ring_all_gather_s` (in the torch-free :mod:`syncdrop.bench.ring`) are the
-only place these formulas live: the cost model (:mod:`syncdrop.bench.cost_model`) uses them for
+only place these formulas live: the cost model (:mod:`syncdrop.bench.cost.comm`) uses them for
 the real link and for the emulated one, so prediction and emulation cannot drift apart.
 
 **How a rank waits.** When every local rank has a core of its own (:func:`ranks_have_own_cores`), the

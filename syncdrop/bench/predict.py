@@ -1,4 +1,4 @@
-"""``syncdrop predict``: the analytical cost model (:mod:`syncdrop.bench.cost_model`) from the CLI.
+"""``syncdrop predict``: the analytical cost model (:mod:`syncdrop.bench.cost`) from the CLI.
 
 Two jobs, in one call or separately:
 
@@ -6,7 +6,9 @@ Two jobs, in one call or separately:
   bench files run *without* link emulation, then predict every plan's TTFT (and decode step) of
   the ``--check`` files, emulated link added, and print predicted vs measured;
 * ``--cluster llama2-70b --gpus 8 --links 300GB/s,50GB/s,10GB/s --prompt-lens 128,2048``: TTFT,
-  decode-step and end-to-end latency for SPD 0..100% on an A100-class cluster.
+  decode-step and end-to-end latency for SPD 0..100% on a cluster of the default hardware profile
+  (:data:`~syncdrop.bench.cost.cluster.HARDWARE_PROFILES`: A100-80GB, bf16), ``--peak-tflops``,
+  ``--mfu``, ``--hbm`` and ``--layer-overhead`` overriding its numbers.
 
 ``--json OUT`` writes everything (with provenance) and a Markdown report ``OUT.md`` beside it.
 """
@@ -14,12 +16,26 @@ Two jobs, in one call or separately:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from syncdrop.bench import cost_model as cm
+from syncdrop.bench.cost.arch import MODELS, get_model
+from syncdrop.bench.cost.bench_files import load_bench
+from syncdrop.bench.cost.check import check, check_summary
+from syncdrop.bench.cost.cluster import (
+    DEFAULT_PROFILE,
+    HARDWARE_PROFILES,
+    PAPER_POINT,
+    ClusterLink,
+    cluster_predict,
+    default_alpha,
+    paper_comparison,
+)
+from syncdrop.bench.cost.fit import Calibration, calibrate
 from syncdrop.errors import SyncdropError
 
 DEFAULT_LINKS = "300GB/s,50GB/s,10GB/s"
+GPU = HARDWARE_PROFILES[DEFAULT_PROFILE]  # the numbers --peak-tflops, --mfu, --hbm, --layer-overhead default to
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-sync", action="store_true", help="do not fit a per-sync-point overhead")
     g.add_argument("--tolerance", type=float, default=0.15, help="target |relative error| of TTFT (default 0.15)")
     g = p.add_argument_group("cluster prediction")
-    g.add_argument("--cluster", default=None, metavar="MODEL", help=f"one of {', '.join(cm.MODELS)}")
+    g.add_argument("--cluster", default=None, metavar="MODEL", help=f"one of {', '.join(MODELS)}")
     g.add_argument("--gpus", type=int, default=8, help="tensor-parallel ranks (default 8)")
     g.add_argument("--links", default=DEFAULT_LINKS,
                    help="comma-separated link bandwidths, each optionally @alpha, e.g. 10GB/s@10us "
@@ -44,10 +60,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prompt-lens", default="128,2048", help="comma-separated prompt lengths (default 128,2048)")
     g.add_argument("--batch", type=int, default=1, help="sequences per forward (default 1)")
     g.add_argument("--spd-step", type=float, default=0.1, help="SPD fractions 0, step, ..., 1 (default 0.1)")
-    g.add_argument("--peak-tflops", type=float, default=312.0, help="per-GPU dense peak (default 312, A100 bf16)")
-    g.add_argument("--mfu", type=float, default=0.5, help="fraction of peak when compute-bound (default 0.5)")
-    g.add_argument("--hbm", default="1.5TB/s", help="effective HBM bandwidth per GPU (default 1.5TB/s)")
-    g.add_argument("--layer-overhead", default="0", help="fixed time per block, e.g. 20us (default 0)")
+    g.add_argument("--peak-tflops", type=float, default=GPU.peak_flops / 1e12,
+                   help=f"per-GPU dense peak (default {GPU.peak_flops / 1e12:g}, {DEFAULT_PROFILE})")
+    g.add_argument("--mfu", type=float, default=GPU.mfu,
+                   help=f"fraction of peak when compute-bound (default {GPU.mfu:g})")
+    g.add_argument("--hbm", default=f"{GPU.hbm_bw / 1e12:g}TB/s",
+                   help=f"effective HBM bandwidth per GPU (default {GPU.hbm_bw / 1e12:g}TB/s)")
+    g.add_argument("--layer-overhead", default=f"{GPU.layer_overhead_s * 1e6:g}us",
+                   help=f"fixed time per block, e.g. 20us (default {GPU.layer_overhead_s * 1e6:g}us)")
     g.add_argument("--gen-tokens", type=int, default=128,
                    help="tokens generated for the end-to-end column (default 128)")
     p.add_argument("--json", default=None, help="write results JSON (and a .md report beside it)")
@@ -55,7 +75,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def parse_links(text: str) -> list[cm.ClusterLink]:
+def parse_links(text: str) -> list[ClusterLink]:
     """``'300GB/s,10GB/s@10us'`` -> links; alpha defaults by bandwidth class."""
     from syncdrop.bench.ring import parse_bandwidth, parse_latency
 
@@ -67,10 +87,10 @@ def parse_links(text: str) -> list[cm.ClusterLink]:
         bw_text, _, alpha_text = item.partition("@")
         try:
             beta = parse_bandwidth(bw_text)
-            alpha = parse_latency(alpha_text) if alpha_text else cm.default_alpha(beta)[0]
+            alpha = parse_latency(alpha_text) if alpha_text else default_alpha(beta)[0]
         except SyncdropError as e:
             raise SyncdropError(f"--links {item!r}: {str(e).split(': ', 1)[-1]}") from None
-        out.append(cm.ClusterLink(item, beta, alpha))
+        out.append(ClusterLink(item, beta, alpha))
     return out
 
 
@@ -112,7 +132,7 @@ def _collectives_cell(row: dict[str, Any]) -> str:
     return str(n) if u is None or u == n else f"{n} ({u:.1f} units)"
 
 
-def _check_markdown(cal: cm.Calibration, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+def _check_markdown(cal: Calibration, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     c = cal.compute
     lines = ["## Calibration (runs without link emulation)", "",
              f"Files: {', '.join(cal.files)}", "",
@@ -183,7 +203,7 @@ def _cluster_markdown(res: dict[str, Any]) -> str:
                          f"{d['e2e_reduction']} | {d['ttft_reduction']} |")
     if res["paper"]:
         lines += ["", "### Beside the paper", "",
-                  f"Paper: {cm.PAPER_POINT['latency_reduction']:.1%} lower latency at 70% SPD, LLaMA2-70B, 8 GPUs, "
+                  f"Paper: {PAPER_POINT['latency_reduction']:.1%} lower latency at 70% SPD, LLaMA2-70B, 8 GPUs, "
                   "10 GB/s. Model at 70% SPD on the closest link:", ""]
         for r in res["paper"]:
             lines.append(f"- {r['link']}, prompt {r['prompt_len']}: TTFT {r['ttft_reduction']:.1%} lower, decode step "
@@ -206,11 +226,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     md = ["# syncdrop cost model", ""]
 
     if args.calibrate:
-        cal_runs = [cm.load_bench(p, "--calibrate") for p in args.calibrate]
-        check_runs = [cm.load_bench(p, "--check") for p in args.check]
-        cal = cm.calibrate(cal_runs, fit_overhead=not args.no_overhead, fit_sync=not args.no_sync)
-        rows = cm.check(cal, cal_runs + check_runs)
-        summary = cm.check_summary(rows, args.tolerance)
+        cal_runs = [load_bench(p, "--calibrate") for p in args.calibrate]
+        check_runs = [load_bench(p, "--check") for p in args.check]
+        cal = calibrate(cal_runs, fit_overhead=not args.no_overhead, fit_sync=not args.no_sync)
+        rows = check(cal, cal_runs + check_runs)
+        summary = check_summary(rows, args.tolerance)
         notes = []
         for r in check_runs:
             ref = cal_runs[0]
@@ -226,7 +246,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.cluster:
         from syncdrop.bench.ring import parse_bandwidth, parse_latency
 
-        cfg = cm.get_model(args.cluster)
+        cfg = get_model(args.cluster)
         if args.gpus < 1:
             raise SyncdropError(f"--gpus must be at least 1, got {args.gpus}")
         if args.batch < 1:
@@ -247,15 +267,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
             overhead = parse_latency(args.layer_overhead)
         except SyncdropError:
             raise SyncdropError(f"--layer-overhead {args.layer_overhead!r}: expected a duration like 20us") from None
-        spec = cm.ClusterSpec(peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, hbm_bw=hbm,
-                              layer_overhead_s=overhead)
-        rows = cm.cluster_predict(cfg, args.gpus, links, lens, _fractions(args.spd_step), spec, args.batch,
-                                  args.gen_tokens)
+        spec = dataclasses.replace(GPU, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, hbm_bw=hbm,
+                                   layer_overhead_s=overhead)
+        rows = cluster_predict(cfg, args.gpus, links, lens, _fractions(args.spd_step), spec, args.batch,
+                               args.gen_tokens)
         res = {"model": args.cluster.lower(), "gpus": args.gpus, "batch": args.batch, "gen_tokens": args.gen_tokens,
-               "assumptions": cm.spec_dict(spec),
+               "assumptions": spec.to_dict(),
                "links": [{"label": lk.label, "beta_Bps": lk.beta, "alpha_s": lk.alpha,
-                          "class": cm.default_alpha(lk.beta)[1]} for lk in links],
-               "rows": rows, "paper": cm.paper_comparison(rows, cfg.num_layers), "paper_point": cm.PAPER_POINT}
+                          "class": default_alpha(lk.beta)[1]} for lk in links],
+               "rows": rows, "paper": paper_comparison(rows, cfg.num_layers), "paper_point": PAPER_POINT}
         out["cluster"] = res
         text = _cluster_markdown(res)
         print(text)

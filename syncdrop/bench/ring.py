@@ -7,7 +7,7 @@ A ring over ``N`` ranks joined by a link of per-step latency ``alpha`` and bandw
 
 (a ring all-reduce is a reduce-scatter and an all-gather, ``N - 1`` steps each, every step moving
 ``n / N`` bytes; one rank: 0). The link emulation (:mod:`syncdrop.bench.link`) waits these on the
-emulated link and the cost model (:mod:`syncdrop.bench.cost_model`) predicts with them, on the real
+emulated link and the cost model (:mod:`syncdrop.bench.cost.comm`) predicts with them, on the real
 link and the emulated one, so the two cannot drift apart. Kept free of torch so that the CLI's
 parser and the cost model import it cheaply.
 """

@@ -98,9 +98,8 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     the simulated executor on the CPU); returns the result dict (also written to ``OUT/train.json``).
     Parameters, batches and optimizer state live on the runtime's device; initialisation and batch
     offsets are drawn on the host from seeded generators, so a run is the same on every device."""
-    from tqdm import tqdm
-
     from syncdrop.io_utils import atomic_write_json, provenance
+    from syncdrop.progress import progress_bar
     from syncdrop.runtime import choose_runtime
 
     s.check()
@@ -150,8 +149,8 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
 
     if not state["val_loss"]:
         state["val_loss"].append([0, val_loss()])
-    bar = tqdm(total=s.steps, initial=state["step"], desc=f"train p={s.sync_fraction:g}", unit="step",
-               disable=not (progress and main))
+    bar = progress_bar(total=s.steps, initial=state["step"], desc=f"train p={s.sync_fraction:g}", unit="step",
+                       disable=not (progress and main))
     while state["step"] < s.steps:
         step = state["step"]
         t0 = clock()

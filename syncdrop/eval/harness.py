@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from tqdm import tqdm
 
 from syncdrop.errors import SyncdropError
+from syncdrop.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class SyncdropLM(TemplateLM):
             rows.append((inp, [(m, requests[m][2]) for m in members]))
         rows.sort(key=lambda r: (-len(r[0]), r[0]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm or not self._show_progress())
+        bar = progress_bar(total=len(requests), desc="loglikelihood", disable=disable_tqdm or not self._show_progress())
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start : start + self.batch_size]
             for (m, _), res in zip((x for _, ms in batch for x in ms), self._score_batch(batch), strict=True):
@@ -260,7 +260,7 @@ class SyncdropLM(TemplateLM):
             raise SyncdropError("generate_until needs a syncdrop executor (not --executor hf)")
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         out = []
-        for req in tqdm(requests, desc="generate_until", disable=disable_tqdm or not self._show_progress()):
+        for req in progress_bar(requests, desc="generate_until", disable=disable_tqdm or not self._show_progress()):
             context, gen_kwargs = req.args
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)

@@ -79,11 +79,11 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity of ``model`` on ``windows`` ``(W, L)``, evaluated ``batch_size`` windows at a time (one
     host read per batch: its windows' NLL sums, for the running figure)."""
-    from tqdm import tqdm
+    from syncdrop.progress import progress_bar
 
     W, L = windows.shape
     sums: list[float] = []
-    with torch.inference_mode(), tqdm(total=W, desc=desc, unit="win", disable=not progress, leave=False) as bar:
+    with torch.inference_mode(), progress_bar(total=W, desc=desc, unit="win", disable=not progress, leave=False) as bar:
         for i in range(0, W, batch_size):
             sums += window_nll(model, windows[i : i + batch_size]).tolist()
             bar.update(min(batch_size, W - i))

@@ -188,8 +188,6 @@ def _trained_with(path: str, cfg: ModelConfig) -> TrainedWith | None:
     """The plan a transformers directory carries, else None: ``plan.json`` beside ``config.json`` (a
     ``syncdrop train`` export) or ``syncdrop_plan`` inside it (a ``syncdrop export``); the TP degree is
     ``syncdrop_tp`` in ``config.json``."""
-    from syncdrop.plan import SyncPlan
-
     try:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
@@ -197,26 +195,35 @@ def _trained_with(path: str, cfg: ModelConfig) -> TrainedWith | None:
         raw = {}
     plan_path = os.path.join(path, "plan.json")
     if os.path.isfile(plan_path):
-        plan = SyncPlan.load(plan_path, cfg.num_layers)
+        plan = _checkpoint_plan(plan_path, cfg.num_layers, plan_path)
     elif isinstance(raw.get("syncdrop_plan"), dict):
-        plan = SyncPlan.from_dict(raw["syncdrop_plan"], cfg.num_layers, source=f"{path}/config.json syncdrop_plan")
+        plan = _checkpoint_plan(raw["syncdrop_plan"], cfg.num_layers, f"{path}/config.json syncdrop_plan")
     else:
         return None
     tp = raw.get("syncdrop_tp")
     return TrainedWith(plan, tp if isinstance(tp, int) and not isinstance(tp, bool) else None)
 
 
+def _checkpoint_plan(spec: Any, num_blocks: int, what: str, tp: int | None = None) -> Any:
+    """:func:`~syncdrop.plan.resolve_plan` for a plan a checkpoint carries; its errors name the file, not a flag."""
+    from syncdrop.plan import resolve_plan
+
+    try:
+        return resolve_plan(spec, num_blocks, tp=tp, what=what)
+    except SyncdropError as e:
+        raise SyncdropError(e.named()) from None
+
+
 def _spd_checkpoint(spec: str, path: str) -> ModelSource:
     """A ``syncdrop distill`` directory: its base model with the distilled blocks laid over it."""
     import dataclasses
+
 
     ckpt = load_checkpoint(path)
     if os.path.abspath(os.path.expanduser(ckpt.base_model)) == path:
         raise SyncdropError(f"model {spec}: its base_model points at itself")
     base = resolve_model(ckpt.base_model)
-    if ckpt.plan.num_blocks != base.config.num_layers:
-        raise SyncdropError(f"model {spec}: plan has {ckpt.plan.num_blocks} blocks, base model "
-                            f"{ckpt.base_model} has {base.config.num_layers}")
+    _checkpoint_plan(ckpt.plan, base.config.num_layers, f"model {spec}: plan", tp=ckpt.tp)
     name = _display_name(os.path.basename(path.rstrip(os.sep)))
     reader = OverlayCheckpoint(base.reader, ckpt)
     return _checked(dataclasses.replace(base, spec=spec, name=name, reader=reader, spd=ckpt))

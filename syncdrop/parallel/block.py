@@ -8,15 +8,13 @@ and returns ``(1, M, h)``. The simulated executor holds all N ranks (R = N) and 
 the distributed runtime holds one (R = 1) and calls ``torch.distributed``. The block never knows
 which.
 
-Block math (docs/methods.md, SPD block; P_r = bias-free o_proj partial of rank r, Z_r = bias-free MLP partial):
+Block math: the sync modes own it (:mod:`syncdrop.plan.modes`, one class per mode). The block is
+nanoGPT's two residual steps with the sync points made explicit::
 
-``full``:  X' = X + AllReduce(P_r) + b_o;  X_out = X' + AllReduce(MLP_r(norm(X'))) + b_down
-``drop``:  H_r = X + P_r + b_o;  Z_r = MLP_r(norm(H_r));  X_out = X + AllReduce(P_r + Z_r) + b_o + b_down
-and the ablations ``naive``, ``desync``, ``bias-in-sum`` documented in :mod:`syncdrop.plan`.
-A sync point may instead be a partial channel reduce (:meth:`Communicator.partial_reduce
-<syncdrop.parallel.comm.Communicator.partial_reduce>`, CAAT-Net): then
-``AllReduce(Y_r) + b`` is replaced by ``PartialReduce_k(Y_r, b)`` and the residual keeps a rank
-axis of length R from there on (shared channels equal on every rank, private ones not).
+    P_r   = Attention_r(norm(X))            bias-free o_proj partials, (R, M, h)
+    H     = attn_mode.mlp_input(X, P_r)     X + AllReduce(P_r) + b_o, or X + P_r + b_o when dropped
+    Z_r   = MLP_r(norm(H))                  bias-free down partials, (R, M, h)
+    X_out = attn_mode.block_output(...)     H + Sync_mlp(Z_r) + b_down; SPD: X + Sync_mlp(P_r + Z_r) + b_o + b_down
 """
 
 from __future__ import annotations
@@ -30,6 +28,9 @@ from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import apply_rope
 from syncdrop.parallel.comm import Communicator
 from syncdrop.parallel.weights import BlockWeights, LocalGeometry
+from syncdrop.plan import BlockSync
+
+DENSE = BlockSync()  # both sync points full: the standard block
 
 
 @dataclass
@@ -139,42 +140,14 @@ ACTIVATIONS = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu,
                "gelu_new": lambda t: F.gelu(t, approximate="tanh")}
 
 
-def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x if b is None else x + b
-
-
-def _sync(comm: Communicator, y: torch.Tensor, mode, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``x + Sync(y) + b`` for a sync point in ``mode`` (``"full"`` or a ``Partial``)."""
-    if mode == "full":
-        return _add(x + comm.all_reduce(y), b)
-    return x + comm.partial_reduce(y, mode.channels(y.shape[-1]), b, mode.scale, mode.mask)
-
-
 def block_forward(
     x: torch.Tensor, w: BlockWeights, geo: LocalGeometry, cfg: ModelConfig, comm: Communicator,
-    ctx: ForwardContext, attn_mode="full", kv: LayerKV | None = None, mlp_mode="full",
+    ctx: ForwardContext, sync: BlockSync = DENSE, kv: LayerKV | None = None,
 ) -> torch.Tensor:
-    """One block under the given sync modes; ``x``: ``(1 or R, M, h)`` -> same form (``(R, M, h)``
-    after a partial sync or a diverging ablation). ``attn_mode``: ``full``, a drop variant, or a
-    :class:`~syncdrop.plan.Partial`; ``mlp_mode``: ``full`` or a ``Partial``."""
-    p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx, kv)  # (R, M, h)
-    if not isinstance(attn_mode, str) or attn_mode == "full":
-        x1 = _sync(comm, p, attn_mode, w.o_b, x)
-        z = mlp_partial(norm(x1, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
-        return _sync(comm, z, mlp_mode, w.down_b, x1)
-    h = _add(x + p, w.o_b)  # (R, M, h): each rank's MLP sees only its own heads
-    z = mlp_partial(norm(h, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)
-    if attn_mode == "drop" and mlp_mode != "full":
-        b = w.o_b if w.down_b is None else (w.down_b if w.o_b is None else w.o_b + w.down_b)
-        return _sync(comm, p + z, mlp_mode, b, x)
-    if mlp_mode != "full":
-        raise ValueError(f"a partial MLP sync does not combine with attention mode {attn_mode!r}")
-    if attn_mode == "drop":
-        return _add(_add(x + comm.all_reduce(p + z), w.o_b), w.down_b)
-    if attn_mode == "naive":
-        return _add(h + comm.all_reduce(z), w.down_b)
-    if attn_mode == "desync":
-        return _add(comm.all_reduce(z + h / comm.tp), w.down_b)
-    if attn_mode == "bias-in-sum":
-        return x + comm.all_reduce(_add(_add(p, w.o_b) + z, w.down_b))
-    raise ValueError(f"unknown attention sync mode {attn_mode!r}")
+    """One block under its sync modes ``sync`` (:class:`~syncdrop.plan.BlockSync`); ``x``: ``(1 or R, M, h)``
+    -> same form (``(R, M, h)`` once ranks diverge). The attention mode decides how the partials are
+    combined and reduced (:mod:`syncdrop.plan.modes`)."""
+    p = attention_partial(norm(x, w.attn_norm_w, w.attn_norm_b, cfg), w, geo, cfg, ctx, kv)  # (R, M, h): P_r
+    h = sync.attn.mlp_input(comm, x, p, w.o_b)  # (1 or R, M, h): the residual the MLP reads
+    z = mlp_partial(norm(h, w.mlp_norm_w, w.mlp_norm_b, cfg), w, geo, cfg)  # (R, M, h): Z_r
+    return sync.attn.block_output(comm, x, h, p, z, w.o_b, w.down_b, sync.mlp)

@@ -5,15 +5,16 @@ Every communicator is a :class:`Communicator`:
 
 * ``all_reduce(x)``: rank partials ``(R, M, h)`` (R = local ranks) -> their sum over all N ranks,
   ``(1, M, h)``;
-* ``partial_reduce(y, k, b, scale, mask)``: CAAT-Net's partial channel reduce, written once here
-  in terms of ``all_reduce`` and ``generator`` (so a wrapper that delays or differentiates the
-  all-reduce changes the partial reduce alike);
 * ``all_gather_last(x, sizes)``: the local ranks' slices ``(..., sum of local sizes)`` ->
   every rank's slice concatenated in rank order ``(..., sum(sizes))`` (vocab-parallel logits);
 * ``broadcast(x)``: rank 0's ``x`` on every rank;
 * ``barrier()``: wait for every rank;
 * ``generator(device)``: a random generator on ``device`` that every rank seeds and advances
   identically (the random channel masks of the ``mask: random`` ablation).
+
+What a sync point sends is decided by its sync mode (:mod:`syncdrop.plan.modes`), written in terms of
+``all_reduce`` and ``generator`` alone, so a wrapper that delays or differentiates the all-reduce
+changes every mode alike.
 
 Implementations: :class:`SimulatedComm` (all N ranks in this process on a leading rank axis),
 :class:`syncdrop.parallel.dist.DistComm` (one rank per process, ``torch.distributed``), and the
@@ -23,8 +24,6 @@ wrappers :class:`syncdrop.bench.link.EmulatedLinkComm` (slow-link emulation) and
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -67,52 +66,6 @@ class Communicator:
             gens[key] = torch.Generator(device=device).manual_seed(MASK_SEED)
         return gens[key]
 
-    def partial_reduce(self, y: torch.Tensor, k: int, b: torch.Tensor | None, scale: bool = True,
-                       mask: str = "fixed") -> torch.Tensor:
-        """CAAT-Net's partial channel reduce of row-parallel partials ``y`` ``(R, M, h)`` (docs/methods.md):
-
-        ``out_r = concat(AllReduce(y[..., :k]) + b[:k],  sqrt(N) * (y_r[..., k:] + b[k:]))``
-
-        The first ``k`` channels are shared (summed over all N ranks, so equal everywhere), the others
-        private: each rank keeps its own, scaled by sqrt(N). The bias is added once, after the sum and
-        before the scaling. Returns ``(R, M, h)`` (``(1, M, h)`` when ``k == h``: an ordinary all-reduce).
-        Only ``k`` channels travel: the all-reduce payload is ``k / h`` of a full one.
-
-        Ablations (:class:`~syncdrop.plan.Partial`): ``scale=False`` keeps private channels unscaled;
-        ``mask="random"`` shares a fresh random set of ``k`` channels per call (drawn on ``y``'s device
-        from :meth:`generator`, so every rank draws the same set); ``mask="topk"`` lets each rank
-        share, per token, its own ``k`` largest-magnitude channels (a masked all-reduce of all ``h``
-        channels; a channel's sum holds only the ranks that chose it).
-        """
-        h = y.shape[-1]
-        s = math.sqrt(self.tp) if scale else 1.0
-        if mask == "fixed" and k >= h:
-            return _add(self.all_reduce(y), b)
-        yb = _add(y, b)  # each rank's value with the bias; private channels are these, scaled
-        if mask == "topk":
-            if k == 0:
-                return yb * s
-            m = torch.zeros_like(y, dtype=torch.bool).scatter_(-1, yb.abs().topk(k, dim=-1).indices, True)
-            shared = _add(self.all_reduce(torch.where(m, y, torch.zeros_like(y))), b)  # bias once, after the sum
-            return torch.where(m, shared.expand_as(y), yb * s)
-        out = yb * s
-        if k == 0:
-            return out
-        if mask == "fixed":  # the first k channels: slices, no index tensors
-            shared = _add(self.all_reduce(y[..., :k]), None if b is None else b[:k])  # (1, M, k): only k travel
-            return torch.cat([shared.expand(y.shape[0], -1, -1), out[..., k:]], dim=-1)
-        if mask != "random":
-            raise ValueError(f"unknown partial-sync mask {mask!r}")
-        idx = torch.randperm(h, generator=self.generator(y.device), device=y.device)[:k]  # (k,) on y's device
-        shared = self.all_reduce(y.index_select(-1, idx))  # (1, M, k): only k channels travel
-        if b is not None:
-            shared = shared + b[idx]
-        return out.index_copy(-1, idx, shared.expand(y.shape[0], -1, -1))
-
-
-def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x if b is None else x + b
-
 
 class SimulatedComm(Communicator):
     """All N ranks live in this process on a leading rank axis; all-reduce is a sum over it."""
@@ -146,7 +99,7 @@ class SimulatedComm(Communicator):
 
 class CommWrapper(Communicator):
     """A communicator that adds behaviour to ``inner``'s collectives; by default it forwards all of
-    them. ``partial_reduce`` (inherited) goes through this wrapper's ``all_reduce``; the random-mask
+    them. Every sync mode goes through this wrapper's ``all_reduce``; the random-mask
     generator is ``inner``'s, so wrapping never changes which channels are drawn."""
 
     def __init__(self, inner: Communicator) -> None:

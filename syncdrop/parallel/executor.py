@@ -76,9 +76,9 @@ class TPModel:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
         layers = range(cfg.num_layers)
         if progress:
-            from tqdm import tqdm
+            from syncdrop.progress import progress_bar
 
-            layers = tqdm(layers, desc="sharding blocks", unit="block", leave=False)
+            layers = progress_bar(layers, desc="sharding blocks", unit="block", leave=False)
         self.blocks: list[BlockWeights] = [
             block_weights(src, cfg, self.geos[i], self.layouts[i], i, dtype).to(self.device) for i in layers]
         self.geos = [g.to(self.device) for g in self.geos]
@@ -152,9 +152,8 @@ class TPModel:
         for i in range(start_block, self.cfg.num_layers):
             if record is not None:
                 record.append(x)
-            sync = self.plan.blocks[i]
-            x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, sync.attn,
-                              cache[i] if cache else None, sync.mlp)
+            x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, self.plan.blocks[i],
+                              cache[i] if cache else None)
         if self.plan.has_partial:  # every local rank's own stream, for the vocab-parallel LM head
             x = norm(x, self.final_norm_w, self.final_norm_b, self.cfg).expand(self.geo.r, -1, -1)  # (R, M, h)
             return x.transpose(0, 1).reshape(ctx.batch, ctx.seq, -1)  # (B, S, R*h)

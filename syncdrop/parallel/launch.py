@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 
 def host_store(world: int, timeout_s: float = 300.0):
@@ -50,9 +51,10 @@ def _describe(code: int) -> str:
 
 
 def launch(argv: list[str], nprocs: int, grace_s: float = 15.0, poll_s: float = 0.05,
-           program: list[str] | None = None) -> int:
+           program: list[str] | None = None, on_failure: Callable[[str], None] | None = None) -> int:
     """Run ``python -m syncdrop *argv`` (or ``python *program *argv``) as ``nprocs`` ranks; return
-    the job's exit code."""
+    the job's exit code. ``on_failure``: receives the failure line (which ranks failed and how)
+    instead of standard error, for a caller that raises it (:func:`syncdrop.bench.run.run_bench`)."""
     program = program if program is not None else ["-m", "syncdrop"]
     store = host_store(nprocs)
     threads = str(max(1, (os.cpu_count() or 1) // nprocs))
@@ -91,7 +93,10 @@ def launch(argv: list[str], nprocs: int, grace_s: float = 15.0, poll_s: float = 
     what = "; ".join(f"rank {r} {_describe(c)}" for r, c in first)
     if stopped:
         what += f"; stopped rank(s) {stopped} still running after {grace_s:.0f}s"
-    print(f"syncdrop: distributed job failed: {what}", file=sys.stderr)
+    if on_failure is not None:
+        on_failure(what)
+    else:
+        print(f"syncdrop: distributed job failed: {what}", file=sys.stderr)
     return first[0][1] if first[0][1] > 0 else 1
 
 

@@ -139,24 +139,14 @@ def export_model(model_spec: str, tp: int, out: str | Path, plan_spec: str | Syn
     """Write ``model_spec`` under its plan (``plan_spec``, else the model's own plan, else ``none``),
     laid out for ``tp`` ranks, as a transformers directory at ``out`` (see the module docstring)."""
     from safetensors.torch import save
-    from tqdm import tqdm
 
     from syncdrop.io_utils import atomic_directory, atomic_write_bytes, atomic_write_json, git_commit
-    from syncdrop.models.loading import resolve_model
-    from syncdrop.parallel.sharding import check_tp
-    from syncdrop.runtime import check_checkpoint_tp, for_plan, resolve_plan
+    from syncdrop.progress import progress_bar
+    from syncdrop.runtime import for_plan, prepare
 
     dest = check_out_dir(out, force)
-    source = resolve_model(model_spec)
+    source, plan = prepare(model_spec, tp, plan_spec, serving=True)
     cfg = source.config
-    check_tp(cfg, tp)
-    check_checkpoint_tp(source, tp)
-    plan = plan_spec if isinstance(plan_spec, SyncPlan) else resolve_plan(source, plan_spec)
-    if plan.num_blocks != cfg.num_layers:
-        raise SyncdropError(f"has {plan.num_blocks} blocks but the model has {cfg.num_layers}", field="plan")
-    blocker = plan.contiguous_serving_blocker()
-    if blocker:
-        raise SyncdropError(f"{plan.summary()}: {blocker}", field="plan")
     src = for_plan(source, plan)
     layouts = distilled_layouts(src.spd, cfg) if src.spd is not None else {}
     orders = _block_orders(cfg, tp, layouts)
@@ -172,7 +162,7 @@ def export_model(model_spec: str, tp: int, out: str | Path, plan_spec: str | Syn
                                 "commit": git_commit()}}
     tensors = {}
     names = model_names(cfg)
-    for name in tqdm(names, desc="export", unit="tensor", disable=not progress, leave=False):
+    for name in progress_bar(names, desc="export", unit="tensor", disable=not progress, leave=False):
         t = src.reader.get(name).to(torch.float32)
         block = int(name.split(".")[1]) if name.startswith("layers.") else None
         if block in orders:

@@ -26,7 +26,7 @@ from typing import Any
 from syncdrop.bench.latency import summarize
 from syncdrop.bench.ring import Link
 from syncdrop.errors import SyncdropError
-from syncdrop.plan import SyncPlan, parse_plan
+from syncdrop.plan import DROP, SyncPlan, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +58,14 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
     source = resolve_model(model_spec)
     cfg = source.config
     L, hidden = cfg.num_layers, cfg.hidden_size
-    plans = [(s, parse_plan(s, L)) for s in plan_specs]
-    if not plans:
+    if not plan_specs:
         raise SyncdropError("needs at least one plan", field="plans")
-    for spec, plan in plans:
-        blocker = plan.contiguous_serving_blocker()
-        if blocker:
-            raise SyncdropError(f"{spec}: {blocker}", field="plans")
+    plans = [(s, resolve_plan(s, L, tp=tp, serving=True, what="plans")) for s in plan_specs]
     if stock and any(p.dropped for _, p in plans):
         raise SyncdropError("stock vLLM runs plan none only", field="plans")
     vllm_python()  # fail before exporting when there is no vLLM environment
     exported = export_model(model_spec, tp, workdir / ("export_none" if stock else "export_all"),
-                            "none" if stock else SyncPlan.uniform(L, "drop"), force=True, progress=False)
+                            "none" if stock else SyncPlan.uniform(L, DROP), force=True, progress=False)
     units = {spec: plan.comm_units(hidden) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     S = len(prompt)

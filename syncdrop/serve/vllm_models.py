@@ -28,11 +28,9 @@ from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.opt import OPTForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
-from syncdrop.plan import SyncPlan
-
-
-def _add(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x if b is None else x + b
+from syncdrop.errors import SyncdropError
+from syncdrop.plan import DROP, SyncPlan, resolve_plan
+from syncdrop.plan.modes import add_bias
 
 
 class SPDLlamaDecoderLayer(nn.Module):
@@ -50,9 +48,9 @@ class SPDLlamaDecoderLayer(nn.Module):
             xn, residual = self.input_layernorm(hidden_states, residual)  # X = hidden + residual
         p = self.self_attn(positions=positions, hidden_states=xn)  # (T, h): this rank's partial P_r
         b_o, b_down = self.self_attn.o_proj.bias, self.mlp.down_proj.bias
-        z = self.mlp(self.post_attention_layernorm(_add(residual + p, b_o)))  # (T, h): Z_r
-        out = tensor_model_parallel_all_reduce(p + z)
-        return _add(_add(out, b_o), b_down), residual
+        z = self.mlp(self.post_attention_layernorm(add_bias(residual + p, b_o)))  # (T, h): Z_r
+        y, biases = DROP.fused(p, z, b_o, b_down)  # the SPD block's one sync point (syncdrop.plan.modes.Drop)
+        return add_bias(tensor_model_parallel_all_reduce(y), *biases), residual
 
 
 class SPDOPTDecoderLayer(nn.Module):
@@ -64,9 +62,10 @@ class SPDOPTDecoderLayer(nn.Module):
         x = hidden_states
         p = self.self_attn(hidden_states=self.self_attn_layer_norm(x))  # (T, h): P_r
         b_o, b_down = self.self_attn.out_proj.bias, self.fc2.bias
-        y, _ = self.fc1(self.final_layer_norm(_add(x + p, b_o)))
-        z, _ = self.fc2(self.activation_fn(y))  # Z_r
-        return _add(_add(x + tensor_model_parallel_all_reduce(p + z), b_o), b_down)
+        u, _ = self.fc1(self.final_layer_norm(add_bias(x + p, b_o)))
+        z, _ = self.fc2(self.activation_fn(u))  # Z_r
+        y, biases = DROP.fused(p, z, b_o, b_down)  # the SPD block's one sync point (syncdrop.plan.modes.Drop)
+        return add_bias(x + tensor_model_parallel_all_reduce(y), *biases)
 
 
 _SPD_CLASSES: dict[type, type] = {}
@@ -122,11 +121,10 @@ def plan_of(hf_config) -> SyncPlan:
     raw = getattr(hf_config, "syncdrop_plan", None)
     if raw is None:
         raise ValueError("config.json has no syncdrop_plan: export the model with `syncdrop export`")
-    plan = SyncPlan.from_dict(raw, hf_config.num_hidden_layers, source="config.json syncdrop_plan")
-    blocker = plan.contiguous_serving_blocker()
-    if blocker:
-        raise ValueError(f"syncdrop plugin: {blocker}")
-    return plan
+    try:
+        return resolve_plan(raw, hf_config.num_hidden_layers, serving=True, what="config.json syncdrop_plan")
+    except SyncdropError as e:  # vLLM reports a model's ValueError as a configuration error
+        raise ValueError(f"syncdrop plugin: {e}") from None
 
 
 def convert_dropped(layers: nn.ModuleList, plan: SyncPlan, opt: bool = False) -> list[int]:

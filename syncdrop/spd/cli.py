@@ -215,7 +215,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from syncdrop.eval.perplexity import text_windows
     from syncdrop.models.loading import resolve_model
     from syncdrop.parallel.sharding import check_tp
-    from syncdrop.plan import parse_plan
+    from syncdrop.plan import DROP, resolve_plan
     from syncdrop.spd.distill import DistillSettings, default_lr, distill
     from syncdrop.spd.e2e import E2ESettings
     from syncdrop.spd.planning import tiers as plan_tiers
@@ -230,11 +230,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     data = load_text(args.calib, args.data_dir)
     source = resolve_model(args.model)
     check_tp(source.config, args.tp)
-    plan = parse_plan(args.plan, source.config.num_layers)
+    plan = resolve_plan(args.plan, source.config.num_layers, tp=args.tp)
     if not plan.dropped:
         raise SyncdropError(f"--plan {args.plan} drops no block: nothing to distil")
-    if any(b.attn not in ("full", "drop") for b in plan.blocks):
-        raise SyncdropError("--plan: distillation trains the SPD block (attn: drop); the plan uses an ablation variant")
+    if plan.has_partial or any(b.attn.drops and b.attn != DROP for b in plan.blocks):
+        raise SyncdropError("--plan: distillation trains the SPD block (attn: drop, mlp: full); the plan uses an "
+                            "ablation variant or partial sync")
     given = plan_tiers(plan)
     tiers = {i: (args.tier if args.tier != "auto" else given.get(i, "b2b")) for i in plan.dropped}
     block_method, e2e = args.method.removesuffix("+e2e"), args.method.endswith("+e2e")

@@ -55,7 +55,7 @@ from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import TPModel, simulated_model
 from syncdrop.parallel.sharding import ShardLayout
 from syncdrop.parallel.weights import TensorSource, block_weights, local_geometry
-from syncdrop.plan import SyncPlan
+from syncdrop.plan import DROP, BlockSync, SyncPlan
 from syncdrop.spd.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -66,6 +66,8 @@ from syncdrop.spd.checkpoint import (
 )
 
 log = logging.getLogger(__name__)
+
+SPD_BLOCK = BlockSync(attn=DROP)  # the block distillation trains: attention sync removed, MLP sync full
 
 TRAINED_TIERS = ("b2b", "hg+b2b")
 BLOCK_METHODS = ("b2b", "sequential")
@@ -147,7 +149,7 @@ def train_block(
 
     def student(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         w = block_weights(TensorSource(P), cfg, geo, layout, layer)  # differentiable re-sharding
-        return block_forward(x, w, geo, cfg, comm, ctx, "drop")
+        return block_forward(x, w, geo, cfg, comm, ctx, SPD_BLOCK)
 
     def held_loss() -> float:
         total = torch.zeros((), dtype=torch.float64, device=device)  # as sum(loss.item() ...), one host read
@@ -196,7 +198,6 @@ def _converted_block(source: Any, teacher: TPModel, out: Path, entry: dict[str, 
     from syncdrop.spd.checkpoint import load_block
 
     cfg, tp = teacher.cfg, teacher.layout.tp
-    mode = plan.blocks[i].attn
     if entry is None:
         w, geo = teacher.blocks[i], teacher.geo
     else:
@@ -205,7 +206,7 @@ def _converted_block(source: Any, teacher: TPModel, out: Path, entry: dict[str, 
         params = {k: v.to(teacher.device) for k, v in load_block(out / entry["file"]).items()}
         w = block_weights(TensorSource(params), cfg, geo, layout, i)
     comm = SimulatedComm(tp)
-    return [block_forward(x, w, geo, cfg, comm, c, mode, mlp_mode=plan.blocks[i].mlp) for x, (_, c) in
+    return [block_forward(x, w, geo, cfg, comm, c, plan.blocks[i]) for x, (_, c) in
             zip(xs, batches, strict=True)]
 
 
@@ -230,8 +231,7 @@ def distill(
     block files are written from host copies). Resumable: a block whose file exists with the same
     settings is loaded, not retrained; the manifest is written last. Returns the manifest dict.
     """
-    from tqdm import tqdm
-
+    from syncdrop.progress import progress_bar
     from syncdrop.spd.checkpoint import load_block
     from syncdrop.spd.head_grouping import group_heads
 
@@ -267,11 +267,11 @@ def distill(
     entries: dict[str, dict[str, Any]] = {}
     steps = len(work) * settings.epochs * len(train)
     t0 = time.perf_counter()
-    with tqdm(total=steps, desc="distilling", unit="step", disable=not progress, leave=False) as bar:
+    with progress_bar(total=steps, desc="distilling", unit="step", disable=not progress, leave=False) as bar:
         for i in range(L):
             with torch.no_grad():  # teacher outputs: the targets of block i and the inputs of block i+1
-                train_y = [block_forward(x, teacher.blocks[i], teacher.geo, cfg, comm, c, "full") for x, c in train]
-                held_y = [block_forward(x, teacher.blocks[i], teacher.geo, cfg, comm, c, "full") for x, c in held]
+                train_y = [block_forward(x, teacher.blocks[i], teacher.geo, cfg, comm, c) for x, c in train]
+                held_y = [block_forward(x, teacher.blocks[i], teacher.geo, cfg, comm, c) for x, c in held]
             if i in work:
                 tier = tiers[i]
                 fname = block_file(i)

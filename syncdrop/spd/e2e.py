@@ -46,7 +46,7 @@ from syncdrop.models.config import layer_names
 from syncdrop.parallel.comm import SimulatedComm
 from syncdrop.parallel.executor import TPModel, simulated_model
 from syncdrop.parallel.sharding import ShardLayout, distilled_layouts
-from syncdrop.plan import SyncPlan
+from syncdrop.plan import SyncPlan, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,10 @@ def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings,
     source = resolve_model(start)
     cfg = source.config
     check_checkpoint_tp(source, tp)
-    if plan.num_blocks != cfg.num_layers or not plan.dropped or plan.has_partial:
-        raise SyncdropError("end-to-end distillation needs a plan for this model that drops sync points (no "
-                            "partial sync)", field="plan")
+    plan = resolve_plan(plan, cfg.num_layers, tp=tp)
+    if not plan.dropped or plan.has_partial:
+        raise SyncdropError("end-to-end distillation needs a plan that drops sync points (no partial sync)",
+                            field="plan")
     src = for_plan(source, plan, warn=False)
     layouts = distilled_layouts(src.spd, cfg) if src.spd is not None else {}
     base_reader = src.reader.base if src.spd is not None else src.reader
@@ -224,9 +225,8 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
     distilled directory ``out_dir``. ``stop_after``: return after that many optimizer steps of this call,
     leaving the state file (what an interruption leaves; tests use it). Returns the manifest (or, when
     stopped early, ``{"stopped_at": step}``)."""
-    from tqdm import tqdm
-
     from syncdrop.io_utils import atomic_write_json, provenance
+    from syncdrop.progress import progress_bar
     from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, block_file, save_block
     from syncdrop.spd.distill import base_spec
 
@@ -262,8 +262,8 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
     n_train = train_windows.shape[0]
     total_steps = settings.epochs * n_train
     t0, done_here = time.perf_counter(), 0
-    with tqdm(total=total_steps, initial=meta["step"], desc="e2e distillation", unit="step", disable=not progress,
-              leave=False) as bar:
+    with progress_bar(total=total_steps, initial=meta["step"], desc="e2e distillation", unit="step",
+                      disable=not progress, leave=False) as bar:
         while meta["step"] < total_steps:
             epoch, pos = divmod(meta["step"], n_train)
             order = torch.randperm(n_train, generator=torch.Generator().manual_seed(settings.seed * 7919 + epoch))

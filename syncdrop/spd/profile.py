@@ -158,7 +158,7 @@ def profile_sensitivity(
     if donor is not None and (donor.cfg != model.cfg or donor.layout.tp != model.layout.tp
                               or donor.geo.ranks != model.geo.ranks):
         raise SyncdropError("the donor model of a recovered profile must have the model's config, TP degree and ranks")
-    from tqdm import tqdm
+    from syncdrop.progress import progress_bar
 
     if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
         raise SyncdropError(f"calibration windows must be (W >= 1, S >= 2), got {tuple(windows.shape)}")
@@ -181,8 +181,8 @@ def profile_sensitivity(
     done = 0
     nll: dict[frozenset[int], float] = {}
     try:
-        with torch.inference_mode(), tqdm(total=planned, desc="profiling", unit="block", disable=not progress,
-                                          leave=False) as bar:
+        with torch.inference_mode(), progress_bar(total=planned, desc="profiling", unit="block",
+                                                  disable=not progress, leave=False) as bar:
             model.plan = SyncPlan.uniform(L)
             cache: list[list[torch.Tensor]] = []  # per batch: the residual entering each block
             total = 0.0

@@ -161,7 +161,7 @@ def probe_block_step_s(source, tp: int, window, device, steps: int = 2) -> float
     with torch.no_grad():
         x = teacher.embed_tokens(window.to(teacher.device))
         ctx = teacher.context(*window.shape)
-        y = block_forward(x, teacher.blocks[0], teacher.geo, cfg, SimulatedComm(tp), ctx, "full")
+        y = block_forward(x, teacher.blocks[0], teacher.geo, cfg, SimulatedComm(tp), ctx)
     params = {n: source.reader.get(n).to(torch.float32).to(teacher.device) for n in layer_names(0, cfg)}
     layout = ShardLayout.build(cfg, tp)
     batch = [(x, ctx)]

@@ -14,7 +14,7 @@ Steps, each cached under ``--out`` and skipped when its file exists with the sam
 Writes ``sweep.json`` (settings, provenance, profile summary, raw rows, summary), ``sweep.md`` and
 ``sweep.png``. Example (what results/spd_sweep_tp3 was made with)::
 
-    python benchmarks/spd_sweep.py --tp 3 --out results/spd_sweep_tp3
+    python experiments/spd_sweep.py --tp 3 --out results/spd_sweep_tp3
 """
 
 from __future__ import annotations

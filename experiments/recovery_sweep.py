@@ -1,11 +1,11 @@
 """Recovery beyond the paper: WikiText-2 test perplexity of SPD plans after each recovery method,
-with paired bootstrap intervals against dense (issue 16).
+with paired bootstrap intervals against dense.
 
 Methods (``--methods``; the drop order is the profile's, the ``round(F L)`` least sensitive blocks
 dropped at SPD fraction ``F``):
 
 * ``zs``: the dropped blocks as they are (zero-shot);
-* ``b2b`` / ``hg+b2b``: block-to-block distillation (papers.md section 5), without / after head
+* ``b2b`` / ``hg+b2b``: block-to-block distillation (docs/methods.md), without / after head
   grouping; every block is distilled once on the original model's residual, so one *bank* per
   method serves every fraction (the bank restricted to a plan's blocks is ``syncdrop distill --plan``);
 * ``hg+seq``: sequential B2B (``DistillSettings.method="sequential"``): each dropped block trained
@@ -29,7 +29,7 @@ committed ``OUT/nll`` file stands for it and nothing is retrained; delete the fi
 Outputs: ``OUT/recovery.json`` (settings, provenance, per point: ppl, ratio to dense with its 95%
 paired bootstrap interval over windows, the method's time), ``OUT/recovery.md`` and ``OUT/recovery.png``.
 
-    python benchmarks/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods zs,hg+b2b,hg+b2b+e2e \\
+    python experiments/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods zs,hg+b2b,hg+b2b+e2e \\
         --windows 64 --out results/recovery/tp3
 """
 

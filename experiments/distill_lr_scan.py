@@ -5,7 +5,7 @@ Distils the given blocks at each learning rate (everything else fixed), then mea
 WikiText-2 test perplexity of: the dense model, the zero-shot drop of those blocks, and each
 distilled variant, on the same windows. Writes JSON + Markdown::
 
-    python benchmarks/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 --out results/distill_lr_scan
+    python experiments/distill_lr_scan.py --tp 3 --blocks 3,20 --lrs 5e-5,3e-4,1e-3,3e-3 --out results/distill_lr_scan
 """
 
 from __future__ import annotations

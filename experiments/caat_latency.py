@@ -15,7 +15,7 @@ rerun). Then, for each model:
 Writes ``OUT.json`` (command, commit, settings, raw files, medians, ratios to the full-sync plan
 in the same run) and ``OUT.md``. The committed results were made with::
 
-    OMP_NUM_THREADS=1 python benchmarks/caat_latency.py --out results/caat_latency
+    OMP_NUM_THREADS=1 python experiments/caat_latency.py --out results/caat_latency
 """
 
 from __future__ import annotations

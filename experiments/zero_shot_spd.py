@@ -18,7 +18,7 @@ Writes ``OUT/zero_shot.json`` (command, commit, settings, per config and task: a
 stderr, n; averages; paired differences against dense with their standard error) and
 ``OUT/zero_shot.md``. The committed results were made with::
 
-    OMP_NUM_THREADS=1 python benchmarks/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \\
+    OMP_NUM_THREADS=1 python experiments/zero_shot_spd.py --tp 3 --limit 100 --mmlu-limit 5 \\
         --out results/zero_shot_spd
 """
 
@@ -45,8 +45,8 @@ from syncdrop.spd.distill import DistillSettings, base_spec, distill
 from syncdrop.spd.planning import drop_order, load_profile
 
 log = logging.getLogger("zero_shot_spd")
-PAPER = ("SPD paper (papers.md §6): LLaMA2-70B on 8 GPUs, 70% SPD, all zero-shot: 0.94% average zero-shot accuracy "
-         "loss on ARC, HellaSwag, LAMBADA, PIQA, SciQ, WinoGrande.")
+PAPER = ("SPD paper (Kim et al., ICML 2025, arXiv:2502.20727): LLaMA2-70B on 8 GPUs, 70% SPD, all zero-shot: "
+         "0.94% average zero-shot accuracy loss on ARC, HellaSwag, LAMBADA, PIQA, SciQ, WinoGrande.")
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "lambada_openai", "piqa", "sciq", "winogrande")
 
 

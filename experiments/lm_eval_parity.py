@@ -8,7 +8,7 @@ comparison reports the largest per-request log-likelihood difference and the doc
 prediction differs. Writes ``OUT/parity.json`` (command, commit, settings, per-run metrics, the
 comparison, ``all_accuracies_identical``) and ``OUT/parity.md``. Example (the full check):
 
-    OMP_NUM_THREADS=2 python benchmarks/lm_eval_parity.py --limit 50 --out results/lm_eval_parity
+    OMP_NUM_THREADS=2 python experiments/lm_eval_parity.py --limit 50 --out results/lm_eval_parity
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ compares the first ``N`` windows of both files: the sweep's test windows are con
 of WikiText-2 test, so a 304-window file's first 64 are a 64-window file's windows (checked: same
 window length, at least ``N`` in each).
 
-    python benchmarks/recovery_compare.py --out results/recovery/tp3_compare \\
+    python experiments/recovery_compare.py --out results/recovery/tp3_compare \\
         --pair "32x3 / 8x10=results/recovery/tp3_bank32/nll/hg+b2b_f0.5.json:results/recovery/tp3/nll/hg+b2b_f0.5.json"
 """
 

@@ -17,7 +17,7 @@ windows (the same windows for both). Writes ``OUT.json`` (command, provenance, p
 ``OUT.md``; per-set NLLs are cached in ``OUT_nll/`` keyed by the model's blocks and plan, so a rerun only
 scores what changed.
 
-    python benchmarks/recovery_gap.py --tp 3 \\
+    python experiments/recovery_gap.py --tp 3 \\
         --configs "hg+b2b=runs/recovery/tp3/bank_hg+b2b@0.5,e2e=runs/recovery/tp3/hg+b2b+e2e_f0.5_..." \\
         --out results/recovery/tp3_gap/gap
 """

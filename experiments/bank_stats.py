@@ -2,7 +2,7 @@
 epoch kept, head-grouping report), read from each block file's header, as JSON. The banks
 themselves are large and not committed; this summary is::
 
-    python benchmarks/bank_stats.py results/spd_sweep_tp3 results/spd_sweep_tp2 results/spd_sweep_tp3_hg
+    python experiments/bank_stats.py results/spd_sweep_tp3 results/spd_sweep_tp2 results/spd_sweep_tp3_hg
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ beside the dense model and plain TP.
 Writes ``OUT.json`` (settings, provenance, one row per variant with raw per-window NLLs) after each
 variant, and ``OUT.md`` (a Markdown table). Example (the full run in docs/results.md):
 
-    python benchmarks/ablation_residual.py --tp 3 --seq-len 1024 --out results/ablation_residual
+    python experiments/ablation_residual.py --tp 3 --seq-len 1024 --out results/ablation_residual
 """
 
 from __future__ import annotations

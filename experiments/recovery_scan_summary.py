@@ -3,7 +3,7 @@ curve and the epoch kept, and the perplexity ratio to dense with its interval wh
 evaluated it. The curve comes from the sweep's ``recovery.json`` row where it recorded one, else from the
 model directory's manifest under ``--work`` (which a fresh clone does not have).
 
-    python benchmarks/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \\
+    python experiments/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \\
         --scan results/recovery/tp3_e2e_scan results/recovery/tp3 --out results/recovery/tp3_e2e_scan/scan
 """
 

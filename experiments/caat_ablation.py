@@ -9,7 +9,7 @@ Each run is resumable (rerun the same command after an interruption); finished r
 Writes ``OUT.json`` (settings, provenance, per variant: train/val loss curves, final val loss),
 ``OUT.md`` (table beside the paper's TinyLlama numbers) and ``OUT.png`` (validation curves)::
 
-    python benchmarks/caat_ablation.py --steps 400 --out results/caat_ablation
+    python experiments/caat_ablation.py --steps 400 --out results/caat_ablation
 """
 
 from __future__ import annotations
