@@ -2,7 +2,9 @@
 
 Runs the simulated executor on the first ``--windows`` WikiText-2 test windows of ``--seq-len``
 tokens for each plan below (spec strings, JSON plans for the forms a spec cannot say, and a
-``syncdrop distill`` directory with its own plan and with ``none``), and writes per plan the
+``syncdrop distill`` directory with its own plan and with ``none``), and on the tests' tiny OPT
+(biases everywhere, so where each mode adds them shows) for the drop variants and partial sync,
+and writes per plan the
 perplexity, the NLL sum (``float.hex``, so "identical" means bit for bit) and the per-window NLLs.
 
 ``--compare BEFORE.json`` adds a table of this run against an earlier one (same settings):
@@ -23,6 +25,8 @@ import math
 import os
 import tempfile
 import time
+
+import torch
 
 from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, perplexity
@@ -60,6 +64,18 @@ SPECS: list[tuple[str, int, object]] = [
     ("partial attn 0.5, full MLP, tp2", 2, lambda L: [{"attn": {"partial": 0.5}, "mlp": "full"}] * L),
 ]
 
+# the tiny OPT of the tests (biases on every linear layer, LayerNorm, fixed seed): where biases go in
+# each mode; 8 random windows of 64 token ids
+TINY_OPT_SPECS: list[tuple[str, int, object]] = [
+    ("tiny OPT none", 2, "none"),
+    ("tiny OPT all", 2, "all"),
+    ("tiny OPT naive all", 2, ("naive", "all")),
+    ("tiny OPT desync all", 2, ("desync", "all")),
+    ("tiny OPT bias-in-sum all", 2, ("bias-in-sum", "all")),
+    ("tiny OPT partial:0.5", 3, "partial:0.5"),
+    ("tiny OPT SPD + partial MLP 0.5", 2, lambda L: [{"attn": "drop", "mlp": {"partial": 0.5}}] * L),
+]
+
 
 def run(args: argparse.Namespace) -> dict:
     data = load_text("wikitext2", args.data_dir)
@@ -69,6 +85,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.distilled:
         jobs += [("distilled dir, own plan", args.distilled, args.distilled_tp, None, "drop"),
                  ("distilled dir, plan none", args.distilled, args.distilled_tp, "none", "drop")]
+    from syncdrop.tiny_models import build_tiny_family
+
+    opt_dir = str(build_tiny_family(os.path.join(tmp, "tiny_opt"), "opt"))
+    jobs += [(lbl, opt_dir, tp, s, "drop") for lbl, tp, s in TINY_OPT_SPECS]
+    opt_windows = torch.randint(3, 300, (8, 64), generator=torch.Generator().manual_seed(0))
     windows = None
     for label, model, tp, spec, variant in jobs:
         if isinstance(spec, tuple):
@@ -87,9 +108,10 @@ def run(args: argparse.Namespace) -> dict:
         if windows is None:
             ids = built.source.load_tokenizer()(data.text, add_special_tokens=False)["input_ids"]
             windows = make_windows(ids, args.seq_len, args.windows)
-        res = perplexity(built.model, windows, progress=False)
+        res = perplexity(built.model, opt_windows if model == opt_dir else windows, progress=False)
         log.info("%-34s ppl %.6f (%.1f s)", label, res.ppl, time.perf_counter() - t0)
-        rows.append({"label": label, "model": model if model == "smollm2" else os.path.basename(model), "tp": tp,
+        name = "smollm2" if model == "smollm2" else "tiny_opt" if model == opt_dir else os.path.basename(model)
+        rows.append({"label": label, "model": name, "tp": tp,
                      "plan_summary": built.plan.summary(), "ppl": res.ppl, "nll_sum": res.nll_sum,
                      "nll_sum_hex": float.hex(res.nll_sum), "window_nll": res.window_nll})
     return {"settings": {"dataset": data.name, "windows": args.windows, "seq_len": args.seq_len,
@@ -100,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
 def compare(before: dict, after: dict) -> str:
     b = {r["label"]: r for r in before["rows"]}
     lines = [f"Perplexity per plan, SmolLM2, {after['settings']['windows']} WikiText-2 test windows of "
-             f"{after['settings']['seq_len']} tokens, simulated executor, fp32.",
+             f"{after['settings']['seq_len']} tokens (tiny OPT: 8 random windows of 64 token ids), simulated "
+             "executor, fp32.",
              f"Before: commit {before['provenance'].get('commit')}; after: commit {after['provenance'].get('commit')}.",
              "", "| plan | TP | ppl before | ppl after | NLL sum bit-identical | relative difference |",
              "|---|---:|---:|---:|:---:|---:|"]

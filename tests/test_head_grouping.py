@@ -1,4 +1,4 @@
-"""Head grouping's searches against brute force (papers.md §5, :mod:`syncdrop.spd.head_grouping`).
+"""Head grouping's searches against brute force (docs/methods.md, head grouping; :mod:`syncdrop.spd.head_grouping`).
 
 Every reference here enumerates all assignments in the test itself: of heads (or KV groups) to
 ranks, maximising the summed within-rank distance ``sum_r sum_{a<b on r} D[a, b]``, and of MLP

@@ -1,6 +1,7 @@
-"""Partial channel reduce (CAAT-Net, papers.md §7) at inference: plans, the block, the executors.
+"""Partial channel reduce (CAAT-Net, docs/methods.md) at inference: plans, the block, the executors.
 
-The reference here is written from papers.md §7 alone: a Python loop over ranks, each rank with
+The reference here is written from the CAAT-Net paper's description alone (arXiv:2506.19645,
+docs/methods.md): a Python loop over ranks, each rank with
 its own residual stream, its own slice of the dense weights (transformers' rotary helpers for
 RoPE), the partial reduce spelled out, and a vocab-parallel LM head.
 """

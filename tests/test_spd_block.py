@@ -1,4 +1,4 @@
-"""A hand-written 2-rank reference of papers.md §2 (and the ablation variants) against the executor.
+"""A hand-written 2-rank reference of the SPD block of docs/methods.md (and the ablation variants) against the executor.
 
 The reference below loops over ranks and heads explicitly, with its own attention, RoPE and norms,
 and is deliberately written without any of syncdrop's block code. It covers a Llama-family block
@@ -78,7 +78,7 @@ def _mlp_partial(xn, W, cfg, chans):
 
 
 def reference_block(X, W, cfg, mode) -> list[torch.Tensor]:
-    """papers.md §2 for N=2, one rank at a time. Returns every rank's block output (its own
+    """The SPD block (docs/methods.md) for N=2, one rank at a time. Returns every rank's block output (its own
     residual stream; the same tensor on both ranks except under ``naive``, whose rank r keeps its
     own attention partial: ``X_out_r = X + A_r + b_o + sum_r' Z_r' + b_down``)."""
     N, I = 2, cfg.intermediate_size

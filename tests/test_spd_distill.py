@@ -1,5 +1,5 @@
 """Head grouping (an exact re-parameterisation), B2B distillation, and distilled checkpoint
-directories used as ``--model`` (papers.md §4-5)."""
+directories used as ``--model`` (docs/methods.md: B2B distillation, head grouping)."""
 
 from __future__ import annotations
 

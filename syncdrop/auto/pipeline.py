@@ -256,7 +256,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
 
     from syncdrop.io_utils import atomic_write_json
     from syncdrop.models.loading import resolve_model
-    from syncdrop.plan import SyncPlan
+    from syncdrop.plan import resolve_plan
     from syncdrop.spd import recovery
     from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, write_subset
     from syncdrop.spd.distill import DistillSettings, base_spec, distill
@@ -285,7 +285,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     if budget > 0 and n_trained:
         probes["block_step_s"] = recovery.probe_block_step_s(source, s.tp, w[:1], device)
     if budget > 0 and big["dropped"]:
-        probes["e2e_step_s"] = probe_step_s(s.model, s.tp, SyncPlan.load(big["path"], L), w[:1], e2e_settings,
+        probes["e2e_step_s"] = probe_step_s(s.model, s.tp, resolve_plan(big["path"], L, tp=s.tp), w[:1], e2e_settings,
                                             device)
     rplan = recovery.allocate(
         budget, [recovery.Candidate(k, len(c["dropped"]), sum(t != "zs" for t in c["tiers"].values()))
@@ -298,14 +298,15 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     block_s = 0.0
     if rplan.block_stage:
         t0 = time.perf_counter()
-        m = distill(source, s.tp, SyncPlan.load(big["path"], L), tiers, train_w[: s.distill_samples], held_w, bank,
+        big_plan = resolve_plan(big["path"], L, tp=s.tp)
+        m = distill(source, s.tp, big_plan, tiers, train_w[: s.distill_samples], held_w, bank,
                     DistillSettings(s.lr, s.distill_epochs), data.info(), device=device)
         trained = m["blocks"]
         block_s = time.perf_counter() - t0
     models, spent = {}, {}
     for key, c in cands.items():  # one --model directory per candidate, pointing at the bank's blocks
         d = root / "models" / candidate_name(c["fraction"])
-        plan = SyncPlan.load(c["path"], L)
+        plan = resolve_plan(c["path"], L, tp=s.tp)
         if trained:
             write_subset(d, bank, plan, base_spec(s.model), s.tp)
         else:  # nothing distilled (every dropped block zero-shot): the candidate is the base model + plan
@@ -332,7 +333,7 @@ def _ppl(s: AutoSettings, plans: dict[str, Any], dist: dict[str, Any], test=None
     distilled (the candidate's ``--model`` directory of the distill stage's result ``dist``, under its own
     plan), both built by the runtime."""
     from syncdrop.eval.perplexity import perplexity
-    from syncdrop.plan import SyncPlan
+    from syncdrop.plan import resolve_plan
 
     rt = s.runtime()
     base = rt.build(s.model, s.tp, "none", progress=False)
@@ -340,7 +341,7 @@ def _ppl(s: AutoSettings, plans: dict[str, Any], dist: dict[str, Any], test=None
     data, w = _windows(base.source, test or "auto", s.seq_len, s.eval_windows, s.data_dir, required=1)
     rows = []
     for key, c in plans["candidates"].items():
-        zs = perplexity(base.use_plan(SyncPlan.load(c["path"], L)), w, progress=False).ppl
+        zs = perplexity(base.use_plan(resolve_plan(c["path"], L, tp=s.tp)), w, progress=False).ppl
         cand = rt.build(dist["models"][key], s.tp, None, progress=False)  # the directory's own plan
         ds = perplexity(cand.model, w, progress=False).ppl if cand.source.spd.blocks else zs
         rows.append({"fraction": c["fraction"], "ppl_zero_shot": zs, "ppl_distilled": ds})
@@ -357,8 +358,9 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     un-emulated run and checked on both."""
     from dataclasses import replace
 
+    from syncdrop.auto.report import dense_comm
     from syncdrop.bench import run as bench_run
-    from syncdrop.bench.cost.bench_files import load_bench
+    from syncdrop.bench.cost.bench_files import bench_result
     from syncdrop.bench.cost.check import check
     from syncdrop.bench.cost.fit import calibrate
     from syncdrop.bench.latency import markdown_table
@@ -386,8 +388,8 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     frac = {c["path"]: c["fraction"] for c in cands}
     target = str(files[-1])
     try:
-        # the cost model parses bench results from their files only (load_bench reads the file just written)
-        runs = [load_bench(str(f), "--calibrate" if i == 0 else "--check") for i, f in enumerate(files)]
+        runs = [bench_result(d, f"{'--calibrate' if i == 0 else '--check'} {str(f)!r}", str(f))
+                for i, (f, d) in enumerate(zip(files, docs, strict=True))]
         cal = calibrate(runs[:1])
         rows, calibration = check(cal, runs), cal.to_dict()
     except SyncdropError as e:  # e.g. a model so small that compute is lost in the noise
@@ -408,18 +410,7 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
                         "predicted_ms": r["predicted_ms"], "samples_ms": m.get(f"{w}_samples_ms"),
                         "ci_ms": m.get(f"{w}_ci_ms"), "over_dense": m.get(f"{w}_over_baseline"),
                         "over_dense_ci": m.get(f"{w}_over_baseline_ci")})
-    return {"files": [str(f) for f in files], "calibration": calibration, "rows": out, "comm": _comm(docs[-1])}
-
-
-def _comm(doc: dict[str, Any]) -> dict[str, Any] | None:
-    """What the sync points of the dense forward took on the decision link (measured inside the forward,
-    slowest rank), for the report; None for a bench result without that measurement."""
-    try:
-        base = next(p for p in doc["plans"] if p["plan"] == doc["baseline_plan"])
-        return {"sync_points": len(doc["sync_points"]["points"]),
-                "prefill_total_ms": doc["sync_points"]["prefill_total_ms"], "baseline_ttft_ms": base["ttft_ms"]}
-    except (KeyError, StopIteration, TypeError):
-        return None
+    return {"files": [str(f) for f in files], "calibration": calibration, "rows": out, "comm": dense_comm(docs[-1])}
 
 
 def _export(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, Any]:

@@ -31,16 +31,25 @@ def _figure(draw, path: Path) -> bytes:
     return buf.getvalue()
 
 
+def dense_comm(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """What the sync points of the dense forward took on the decision link (measured inside the forward,
+    slowest rank), for the report; None for a bench result without that measurement."""
+    try:
+        base = next(p for p in doc["plans"] if p["plan"] == doc["baseline_plan"])
+        return {"sync_points": len(doc["sync_points"]["points"]),
+                "prefill_total_ms": doc["sync_points"]["prefill_total_ms"], "baseline_ttft_ms": base["ttft_ms"]}
+    except (KeyError, StopIteration, TypeError):
+        return None
+
+
 def _comm_share(bench: dict[str, Any]) -> list[str]:
     """How much of dense prefill the sync points took on the decision link (measured inside the forward):
     the bench stage's ``comm``; a bench stage cached before it had one: from its decision-link file."""
     if "comm" in bench:
         c = bench["comm"]
     else:
-        from syncdrop.auto.pipeline import _comm
-
         try:
-            c = _comm(json.loads(Path(bench["files"][-1]).read_text()))
+            c = dense_comm(json.loads(Path(bench["files"][-1]).read_text()))
         except (OSError, KeyError, ValueError, IndexError):
             c = None
     if not c:

@@ -4,7 +4,7 @@ A ``Syncdrop<arch>`` model is vLLM's own ``<arch>`` with the blocks its plan dro
 in ``config.json``, written by ``syncdrop export``) turned into SPD blocks after construction; every
 other block, the embeddings, the LM head, the weight loading and the attention backend stay stock.
 
-The SPD block (docs/methods.md; papers.md section 2), on this rank's partials: ``P_r`` = o_proj output of
+The SPD block (docs/methods.md; arXiv:2502.20727), on this rank's partials: ``P_r`` = o_proj output of
 the rank's heads and ``Z_r`` = down output of its MLP channels, both bias-free and not reduced::
 
     H_r   = X + P_r + b_o                          rank-local MLP input

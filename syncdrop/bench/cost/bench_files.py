@@ -79,7 +79,7 @@ class BenchRun:
 
 
 def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
-    """Read and validate a bench result; errors name ``arg`` and the file."""
+    """Read and validate a bench result file; errors name ``arg`` and the file."""
     p = Path(path)
     where = f"{arg} {str(path)!r}"
     if not p.is_file():
@@ -88,6 +88,12 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
         d = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         raise SyncdropError(f"{where}: malformed JSON ({e})") from None
+    return bench_result(d, where, str(path))
+
+
+def bench_result(d: Any, where: str, path: str = "") -> BenchRun:
+    """Validate a bench result already in memory (what ``syncdrop bench --json`` writes, or
+    :func:`syncdrop.bench.run.run_bench` returns); ``where`` names it in errors, ``path`` is recorded."""
     try:
         s = d["settings"]
         ar = {ph: (int(d["allreduce"][ph]["bytes"]), float(d["allreduce"][ph]["median_ms"]) / 1e3)
@@ -100,7 +106,7 @@ def load_bench(path: str | Path, arg: str = "--check") -> BenchRun:
                  for r in d["plans"]]
         link = Link.from_dict(s.get("link"))
         run = BenchRun(
-            path=str(path), model=str(s["model"]), cfg=None, tp=int(s["tp"]),  # type: ignore[arg-type]
+            path=path, model=str(s["model"]), cfg=None, tp=int(s["tp"]),  # type: ignore[arg-type]
             prompt_len=int(s["prompt_len"]), batch=int(s["batch"]), decode_tokens=int(s["decode_tokens"]),
             dtype_bytes=_DTYPE_BYTES[s.get("dtype", "float32")],
             emu_bandwidth=link.bandwidth, emu_latency=link.latency,
