@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
+from syncdrop.progress import progress_bar
 from syncdrop.tiny_models import build_tiny_family
 
 log = logging.getLogger("launch_stress")
@@ -83,7 +82,7 @@ def main() -> int:
         text.write_text(TEXT)
         matrix = [(n, a) for n, a in job_matrix(tiny, text) if n.split()[1] in models]
         rows = []
-        for i in tqdm(range(args.jobs), desc="launch jobs", unit="job"):
+        for i in progress_bar(range(args.jobs), desc="launch jobs", unit="job"):
             name, argv = matrix[i % len(matrix)]
             row = {"job": i, "name": name, **run_job(argv, args.timeout)}
             rows.append(row)

@@ -134,10 +134,10 @@ def evaluate(spec: str, tp: int, plan: SyncPlan, windows: torch.Tensor, path: Pa
         return done[: windows.shape[0]]
     built = choose_runtime("simulated").build(spec, tp, plan, progress=False)
     L = windows.shape[1]
-    from tqdm import tqdm
+    from syncdrop.progress import progress_bar
 
-    with torch.inference_mode(), tqdm(total=windows.shape[0], initial=len(done), desc=path.stem, unit="win",
-                                      leave=False) as bar:
+    with torch.inference_mode(), progress_bar(total=windows.shape[0], initial=len(done), desc=path.stem, unit="win",
+                                              leave=False) as bar:
         while len(done) < windows.shape[0]:
             w = windows[len(done) : len(done) + chunk]
             done += [s / (L - 1) for s in window_nll(built.model, w).tolist()]

@@ -19,6 +19,7 @@ from syncdrop.cli_args import (
     check_launch_devices,
     error_line,
     link_from_args,
+    runtime_from_args,
 )
 from syncdrop.errors import SyncdropError
 from syncdrop.plan import SyncPlan
@@ -144,8 +145,9 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
     at_least(args, 1, "batch_size", "max_windows")
     at_least(args, 2, "seq_len")
+    rt = runtime_from_args(args)  # bad --device/--backend/--dtype first: before any data lookup
     data = load_text(args.dataset, args.data_dir)  # fail fast before loading the model
-    built = build_from_args(args, progress=not args.quiet)
+    built = rt.build(args.model, args.tp, args.plan, args.drop_variant, progress=not args.quiet)
     log.info("rank %s ready", built.dist.rank if built.dist else 0)
     tok = built.source.load_tokenizer()
     ids = tok(data.text, add_special_tokens=False)["input_ids"]
