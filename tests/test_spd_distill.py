@@ -296,3 +296,39 @@ def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, t
     assert rec["blocks"][0]["ppl_progressive"] == pytest.approx(ppl([0, 1]), rel=1e-5)
     bad = ["profile", "--model", str(tmp_path / "bank"), *common, "--skip", "-1", "--out", str(tmp_path / "x.json")]
     assert main(bad) == 2 and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("tier", ["b2b", "hg+b2b"])
+def test_bf16_distillation_trains_float32_masters(tiny_opt_dir, tmp_path, tier) -> None:
+    """``dtype=bfloat16``: the teacher and the students run in bfloat16, AdamW updates float32 master copies
+    (the block files hold float32 values that bfloat16 cannot represent), the held-out MSE falls, and the recorded
+    held-out loss is what the bfloat16 simulated executor gives with the saved weights (so the training
+    forward is the runtime's). The tiny OPT has biases and LayerNorm, the dtype-sensitive parts."""
+    from syncdrop.parallel.block import block_forward
+    from syncdrop.plan import DROP, BlockSync
+    from syncdrop.spd.checkpoint import load_block
+
+    src = resolve_model(str(tiny_opt_dir))
+    cfg = src.config
+    w = _windows(src, 12, 32)
+    m = distill(src, 2, SyncPlan.dropping(cfg.num_layers, [0]), {0: tier}, w[:10], w[10:], tmp_path / "ck",
+                DistillSettings(lr=2e-4, epochs=4), {"dataset": "random ids"}, progress=False, dtype=torch.bfloat16)
+    st = m["blocks"]["0"]["stats"]
+    assert m["distill"]["dtype"] == "bfloat16" and st["heldout_loss"] < 0.95 * st["heldout_loss_zs"], st
+    trained = load_block(tmp_path / "ck" / m["blocks"]["0"]["file"])
+    assert all(t.dtype == torch.float32 for t in trained.values())
+    changed = [t[t != src.reader.get(n).float()] for n, t in trained.items()]
+    changed = torch.cat([c for c in changed if c.numel()])
+    assert changed.numel() and (changed != changed.bfloat16().float()).any()  # trained values bfloat16 cannot hold
+    # the recorded held-out loss, recomputed by the bfloat16 executor from the saved float32 weights
+    teacher = simulated_model(cfg, src.reader, 2, dtype=torch.bfloat16)
+    ck = resolve_model(str(tmp_path / "ck"))
+    layouts = distilled_layouts(ck.spd, cfg)
+    student = simulated_model(cfg, ck.reader, 2, dtype=torch.bfloat16, block_layouts=layouts)
+    losses = []
+    with torch.no_grad():
+        for x, c in _batches(teacher, w[10:], 1):
+            y = block_forward(x, teacher.blocks[0], teacher.geo, cfg, teacher.comm, c)
+            out = block_forward(x, student.blocks[0], student.geos[0], cfg, student.comm, c, BlockSync(DROP))
+            losses.append(torch.nn.functional.mse_loss(out.float(), y.float()).item())
+    assert sum(losses) / len(losses) == pytest.approx(st["heldout_loss"], rel=1e-6)

@@ -202,6 +202,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--e2e-adapter", default="full", choices=("full", "lora"),
                    help="+e2e: train all weights of the dropped blocks (default) or LoRA factors, merged after")
     p.add_argument("--lora-rank", type=int, default=8, help="+e2e with lora: rank r (default 8; alpha = 2r)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype of the teacher and the students (default float32); trained weights are "
+                        "float32 master copies either way, and the block files hold them")
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -249,11 +252,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
         e2e_settings.check()
     windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
                            f"--calib {args.calib} (for --samples {args.samples} + --heldout {args.heldout})")
-    device = runtime_from_args(args, executor="simulated").device
+    rt = runtime_from_args(args, executor="simulated")
+    device = rt.device
     calib = {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}
     block_out = os.path.join(args.out, "blockwise") if e2e else args.out
     m = distill(source, args.tp, plan, tiers, windows[: args.samples], windows[args.samples :], block_out, settings,
-                calib, progress=not args.quiet, device=device)
+                calib, progress=not args.quiet, device=device, dtype=rt.dtype)
     print(f"{source.name} tp={args.tp}: {plan.summary()}; trained {len(m['blocks'])} blocks "
           f"({sum(t != 'zs' for t in tiers.values())} b2b/hg+b2b, {sum(t == 'zs' for t in tiers.values())} zero-shot)")
     if m["blocks"]:
@@ -265,7 +269,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         from syncdrop.spd.e2e import e2e_distill
 
         m2 = e2e_distill(block_out, args.tp, plan, windows[: args.samples], windows[args.samples :], args.out,
-                         e2e_settings, calib, progress=not args.quiet, device=device)
+                         e2e_settings, calib, progress=not args.quiet, device=device, dtype=rt.dtype)
         st = m2["distill"]["e2e"]
         print(f"end to end ({args.e2e_adapter}): held-out KL to the original model {st['heldout_kl_start']:.5g} -> "
               f"{st['heldout_kl']:.5g} (epoch {st['selected_epoch']} kept, {st['seconds']:.0f} s)")

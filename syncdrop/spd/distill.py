@@ -138,6 +138,9 @@ def train_block(
 ) -> dict[str, Any]:
     """Distil block ``layer`` in place (``params``: its dense tensors, float32). Returns stats.
 
+    ``params`` are the float32 master copies that AdamW updates; the student runs in the batches' dtype
+    (each step casts the masters to it, a differentiable cast, so bfloat16 activations train float32
+    weights; for float32 batches the cast is the identity). The loss is taken in float32.
     Runs on the device of the batches (``params`` are trained there and come back there). Losses are
     summed on the device in float64 (the same sums, in the same order, as adding Python floats) and
     read back once per epoch; the batch order is drawn on the host (a seeded permutation of indices)."""
@@ -148,7 +151,7 @@ def train_block(
     P = {k: v.detach().to(device).clone().requires_grad_(True) for k, v in params.items()}
 
     def student(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        w = block_weights(TensorSource(P), cfg, geo, layout, layer)  # differentiable re-sharding
+        w = block_weights(TensorSource(P), cfg, geo, layout, layer, x.dtype)  # differentiable re-sharding and cast
         return block_forward(x, w, geo, cfg, comm, ctx, SPD_BLOCK)
 
     def held_loss() -> float:
@@ -204,7 +207,7 @@ def _converted_block(source: Any, teacher: TPModel, out: Path, entry: dict[str, 
         layout = ShardLayout.build(cfg, tp, entry["head_order"], entry["ffn_order"])
         geo = local_geometry(cfg, layout, range(tp), teacher.device)
         params = {k: v.to(teacher.device) for k, v in load_block(out / entry["file"]).items()}
-        w = block_weights(TensorSource(params), cfg, geo, layout, i)
+        w = block_weights(TensorSource(params), cfg, geo, layout, i, teacher.dtype)
     comm = SimulatedComm(tp)
     return [block_forward(x, w, geo, cfg, comm, c, plan.blocks[i]) for x, (_, c) in
             zip(xs, batches, strict=True)]
@@ -223,13 +226,16 @@ def base_spec(spec: str) -> str:
 def distill(
     source: Any, tp: int, plan: SyncPlan, tiers: dict[int, str], train_windows: torch.Tensor,
     held_windows: torch.Tensor, out_dir: str | Path, settings: DistillSettings, calib: dict[str, Any],
-    progress: bool = True, device: torch.device | str = "cpu",
+    progress: bool = True, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Distil every ``b2b`` / ``hg+b2b`` block of ``tiers`` and write the checkpoint directory.
 
     ``device``: where the teacher, the students and the batches live (the windows may be anywhere;
-    block files are written from host copies). Resumable: a block whose file exists with the same
-    settings is loaded, not retrained; the manifest is written last. Returns the manifest dict.
+    block files are written from host copies). ``dtype``: the teacher's and the students' compute dtype
+    (activations); trained weights are float32 master copies whatever it is, and the block files hold
+    them (a runtime casts them to its own dtype when it loads the directory). Resumable: a block whose
+    file exists with the same settings is loaded, not retrained; the manifest is written last. Returns
+    the manifest dict.
     """
     from syncdrop.progress import progress_bar
     from syncdrop.spd.checkpoint import load_block
@@ -247,7 +253,7 @@ def distill(
     work = sorted(i for i, t in tiers.items() if t in TRAINED_TIERS)
     out = Path(out_dir)
     (out / "blocks").mkdir(parents=True, exist_ok=True)
-    teacher = simulated_model(cfg, source.reader, tp, device=device)
+    teacher = simulated_model(cfg, source.reader, tp, dtype=dtype, device=device)
     comm = SimulatedComm(tp)
     with torch.no_grad():
         train = _batches(teacher, train_windows, settings.batch_size)
@@ -262,6 +268,8 @@ def distill(
     s_train, s_held = [x for x, _ in train], [x for x, _ in held]
     common = {"base_model": base_spec(source.spec), "tp": tp, "calib": calib, **hashed,
               "train_windows": list(train_windows.shape), "held_windows": list(held_windows.shape)}
+    if dtype != torch.float32:  # float32 block files from before the option stay valid
+        common["dtype"] = str(dtype).removeprefix("torch.")
     if settings.method == "sequential":  # a block's inputs depend on every block before it: the plan and tiers
         common |= {"plan_blocks": plan.to_dict()["blocks"], "tiers": {str(k): v for k, v in sorted(tiers.items())}}
     entries: dict[str, dict[str, Any]] = {}

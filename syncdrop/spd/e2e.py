@@ -91,8 +91,10 @@ class Student:
     blocks, and the forward that re-shards them on every call."""
 
     def __init__(self, base: dict[str, torch.Tensor], trainable: list[str], s: E2ESettings, cfg, tp: int,
-                 plan: SyncPlan, layouts: dict[int, ShardLayout], device: torch.device) -> None:
+                 plan: SyncPlan, layouts: dict[int, ShardLayout], device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.tp, self.plan, self.layouts, self.s, self.device = cfg, tp, plan, layouts, s, device
+        self.dtype = dtype  # the forward's dtype; ``base`` and ``params`` stay float32 (master copies)
         self.base = base
         self.names = trainable
         g = torch.Generator().manual_seed(s.seed)
@@ -120,7 +122,7 @@ class Student:
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         m = TPModel(self.cfg, self.weights(), ShardLayout.build(self.cfg, self.tp), SimulatedComm(self.tp),
-                    self.plan, device=self.device, block_layouts=self.layouts)
+                    self.plan, dtype=self.dtype, device=self.device, block_layouts=self.layouts)  # cast: differentiable
         B, S = ids.shape
         return m.logits(m.forward_blocks(m.embed_tokens(ids), 0, m.context(B, S)))
 
@@ -169,7 +171,8 @@ def _load_state(path: Path, params: dict, opt: torch.optim.Optimizer, best: dict
     return meta
 
 
-def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings, device: torch.device):
+def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings, device: torch.device,
+                     dtype: torch.dtype = torch.float32):
     """``(source, source for plan, Student, teacher TPModel)`` for training ``plan``'s dropped blocks of ``start``."""
     from syncdrop.models.config import model_names
     from syncdrop.models.loading import resolve_model
@@ -187,8 +190,8 @@ def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings,
     base_reader = src.reader.base if src.spd is not None else src.reader
     tensors = {n: src.reader.get(n).to(torch.float32).to(device) for n in model_names(cfg)}
     trainable = [n for i in plan.dropped for n in layer_names(i, cfg)]
-    student = Student(tensors, trainable, settings, cfg, tp, plan, layouts, device)
-    return source, src, student, simulated_model(cfg, base_reader, tp, device=device)
+    student = Student(tensors, trainable, settings, cfg, tp, plan, layouts, device, dtype)
+    return source, src, student, simulated_model(cfg, base_reader, tp, dtype=dtype, device=device)
 
 
 def _step(student: Student, teacher: TPModel, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
@@ -203,12 +206,12 @@ def _step(student: Student, teacher: TPModel, opt: torch.optim.Optimizer, ids: t
 
 
 def probe_step_s(start: str, tp: int, plan: SyncPlan, window: torch.Tensor, settings: E2ESettings | None = None,
-                 device: torch.device | str = "cpu", steps: int = 2) -> float:
+                 device: torch.device | str = "cpu", steps: int = 2, dtype: torch.dtype = torch.float32) -> float:
     """Seconds per end-to-end step (one window ``(1, S)``) of ``plan``'s dropped blocks, measured: ``steps``
     steps after one untimed warm-up; nothing is written."""
     s = settings or E2ESettings()
     device = torch.device(device)
-    _, _, student, teacher = _student_teacher(start, tp, plan, s, device)
+    _, _, student, teacher = _student_teacher(start, tp, plan, s, device, dtype)
     opt = torch.optim.AdamW(student.params.values(), lr=s.lr)
     ids = window.to(device)
     _step(student, teacher, opt, ids)
@@ -220,11 +223,13 @@ def probe_step_s(start: str, tp: int, plan: SyncPlan, window: torch.Tensor, sett
 
 def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor, held_windows: torch.Tensor,
                 out_dir: str | Path, settings: E2ESettings, calib: dict[str, Any], progress: bool = True,
-                device: torch.device | str = "cpu", stop_after: int | None = None) -> dict[str, Any]:
+                device: torch.device | str = "cpu", stop_after: int | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Train ``plan``'s dropped blocks of ``start`` end to end (see the module docstring) and write the
-    distilled directory ``out_dir``. ``stop_after``: return after that many optimizer steps of this call,
-    leaving the state file (what an interruption leaves; tests use it). Returns the manifest (or, when
-    stopped early, ``{"stopped_at": step}``)."""
+    distilled directory ``out_dir``. ``dtype``: the forward's dtype (teacher and student); the trained
+    weights are float32 master copies, and the block files hold them. ``stop_after``: return after that
+    many optimizer steps of this call, leaving the state file (what an interruption leaves; tests use
+    it). Returns the manifest (or, when stopped early, ``{"stopped_at": step}``)."""
     from syncdrop.io_utils import atomic_write_json, provenance
     from syncdrop.progress import progress_bar
     from syncdrop.spd.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST, block_file, save_block
@@ -232,7 +237,7 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
 
     settings.check()
     device = torch.device(device)
-    source, src, student, teacher = _student_teacher(start, tp, plan, settings, device)
+    source, src, student, teacher = _student_teacher(start, tp, plan, settings, device, dtype)
     cfg = source.config
     base_model = src.spd.base_model if src.spd is not None else base_spec(start)
     out = Path(out_dir)
@@ -242,6 +247,8 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
               "calib": calib, **asdict(settings), "train_windows": list(train_windows.shape),
               "held_windows": list(held_windows.shape)}
     common.pop("ckpt_every")
+    if dtype != torch.float32:  # float32 state and block files from before the option stay valid
+        common["dtype"] = str(dtype).removeprefix("torch.")
     sha = _sha(common)
     params = student.params
     opt = torch.optim.AdamW(params.values(), lr=settings.lr, weight_decay=settings.weight_decay)

@@ -131,6 +131,7 @@ def group_heads(
     H, G = cfg.num_heads, cfg.group_size
     dev = batches[0][0].device
     params = {k: v.detach().to(dev) for k, v in params.items()}
+    batches = [(x.float(), ctx) for x, ctx in batches]  # the statistics in float32, whatever the model dtype
     per_head = ShardLayout.build(cfg, H)  # one query head per "rank"
     geo_h = local_geometry(cfg, per_head, range(H), dev)
     src = TensorSource(params)
