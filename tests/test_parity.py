@@ -84,3 +84,24 @@ def test_smollm2_spd_at_tp1_equals_dense(smollm2_source, smollm2_hf) -> None:
         ref = smollm2_hf(ids).logits
     plan = SyncPlan.uniform(smollm2_source.config.num_layers, "drop")
     _assert_close(simulated_model(smollm2_source.config, smollm2_source.reader.get, 1, plan)(ids), ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_matches_transformers_bf16_within_bf16_error(family: str, request: pytest.FixtureRequest) -> None:
+    """In bfloat16, the simulated executor at TP 1-3 and transformers' own model in bfloat16 differ by no
+    more than bfloat16 itself moves transformers' logits away from float32 (times 2): the two bfloat16
+    implementations agree to bfloat16's precision. Both really run in bfloat16 (that error is not 0)."""
+    path = str(request.getfixturevalue(family))
+    src = resolve_model(path)
+    ids = _batch(src.config.vocab_size)
+    ref32 = _hf_logits(path, ids)
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref16 = hf16(ids).logits.float()
+    precision = (ref16 - ref32).abs().max().item()
+    assert precision > 0
+    for n in (1, 2, 3):
+        out = simulated_model(src.config, src.reader.get, n, dtype=torch.bfloat16)(ids)
+        assert out.dtype == torch.bfloat16
+        diff = (out.float() - ref16).abs().max().item()
+        assert diff <= 2 * precision, f"tp={n}: {diff:.3g} > 2 x {precision:.3g}"
