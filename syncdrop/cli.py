@@ -168,7 +168,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
             "plan": built.plan.to_dict(), "plan_summary": built.plan.summary(), "executor": runtime,
             "dtype": args.dtype, "dataset": data.name, "dataset_source": data.source, "dataset_path": data.path,
             "max_windows": args.max_windows, "elapsed_s": elapsed, "window_nll": res.window_nll,
-            "device": str(built.runtime.device), "backend": built.runtime.backend,
+            "device": str(built.runtime.device), "backend": built.runtime.backend, "stream": args.stream,
             "memory": memory, "provenance": provenance(),
         })
     return 0
@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="window length in tokens (default 1024)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first K windows")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
+    p.add_argument("--stream", action="store_true",
+                   help="hold one block's weights at a time, read from the checkpoint, and run every window "
+                        "through a block before the next (memory: one block plus the windows' activations; "
+                        "the same perplexity, bit for bit)")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ppl)

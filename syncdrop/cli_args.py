@@ -92,7 +92,8 @@ def runtime_from_args(args: argparse.Namespace, executor: str | None = None):
 
     return choose_runtime(executor or getattr(args, "executor", "auto"), getattr(args, "device", "auto"),
                           getattr(args, "backend", "auto"), getattr(args, "dtype", "float32"), link_from_args(args),
-                          getattr(args, "exact_reduce", False), getattr(args, "dist_timeout", 60.0))
+                          getattr(args, "exact_reduce", False), getattr(args, "dist_timeout", 60.0),
+                          getattr(args, "stream", False))
 
 
 def build_from_args(args: argparse.Namespace, progress: bool = True, executor: str | None = None,

@@ -128,6 +128,7 @@ class Runtime:
     link: Link = field(default_factory=Link)
     exact_reduce: bool = False
     dist_timeout: float = 60.0
+    stream: bool = False  # hold one block's weights at a time, read from the checkpoint (TPModel resident_blocks)
 
     @property
     def distributed(self) -> bool:
@@ -175,7 +176,8 @@ class Runtime:
     def describe(self) -> dict[str, Any]:
         """The runtime as result files record it."""
         return {"executor": self.executor, "device": str(self.device), "backend": self.backend,
-                "dtype": self.dtype_name, "link": self.link.to_dict(), "exact_reduce": self.exact_reduce}
+                "dtype": self.dtype_name, "link": self.link.to_dict(), "exact_reduce": self.exact_reduce,
+                "stream": self.stream}
 
     def build(self, model_spec: str, tp: int, plan_spec: str | SyncPlan | None = None, drop_variant: str = "drop",
               progress: bool = True) -> Built:
@@ -208,7 +210,8 @@ class Runtime:
 
 
 def choose_runtime(executor: str = "auto", device: str = "auto", backend: str = "auto", dtype: str = "float32",
-                   link: Link | None = None, exact_reduce: bool = False, dist_timeout: float = 60.0) -> Runtime:
+                   link: Link | None = None, exact_reduce: bool = False, dist_timeout: float = 60.0,
+                   stream: bool = False) -> Runtime:
     """Pick the whole runtime from these choices and the environment (see the module docstring)."""
     from syncdrop.parallel import dist
 
@@ -226,7 +229,7 @@ def choose_runtime(executor: str = "auto", device: str = "auto", backend: str = 
     dev = resolve_device(device, distributed)
     name = "distributed" if distributed else ("hf" if executor == "hf" else "simulated")
     chosen_backend = resolve_backend(backend, dev) if distributed else None
-    return Runtime(name, dev, torch_dtype, chosen_backend, link, exact_reduce, dist_timeout)
+    return Runtime(name, dev, torch_dtype, chosen_backend, link, exact_reduce, dist_timeout, stream)
 
 
 @dataclass
@@ -271,7 +274,8 @@ class Built:
             model = TPModel(cfg, src.reader, ShardLayout.build(cfg, self.tp), self.comm, plan,
                             ranks=self.runtime.local_ranks(self.tp), dtype=self.runtime.dtype,
                             progress=progress and self.is_main, device=self.runtime.device,
-                            block_layouts=distilled_layouts(src.spd, cfg) if src.spd is not None else None)
+                            block_layouts=distilled_layouts(src.spd, cfg) if src.spd is not None else None,
+                            resident_blocks=1 if self.runtime.stream else None)
             self._models[key] = model
         model.plan = plan
         self.model, self.plan = model, plan

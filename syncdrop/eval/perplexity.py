@@ -65,7 +65,12 @@ def text_windows(tokenizer, text: str, seq_len: int, count: int, what: str, requ
 def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
     """Summed NLL of tokens 1..L-1 of each window; ``windows`` ``(B, L)`` (any device) -> ``(B,)`` fp32 on
     the logits' device (the targets are moved there)."""
-    h = model.hidden_states(windows)[:, :-1]  # (B, L-1, h)
+    return nll_of_hidden(model, model.hidden_states(windows), windows)
+
+
+def nll_of_hidden(model: CausalLM, hidden: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """:func:`window_nll` from the windows' final hidden states ``(B, L, h)``, already computed."""
+    h = hidden[:, :-1]  # (B, L-1, h)
     logits = model.logits(h).float()  # (B, L-1, V)
     B, T, V = logits.shape
     targets = windows[:, 1:].reshape(B * T).to(logits.device)  # (B*T,)
@@ -74,15 +79,30 @@ def window_nll(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
     return nll.view(B, T).sum(-1)
 
 
+def streams_blocks(model: object) -> bool:
+    """True for a model that reads its blocks from the checkpoint on demand (``resident_blocks``)."""
+    return bool(getattr(getattr(model, "blocks", None), "streams", False))
+
+
 def perplexity(
     model: CausalLM, windows: torch.Tensor, batch_size: int = 1, progress: bool = True, desc: str = "perplexity"
 ) -> PerplexityResult:
     """Perplexity of ``model`` on ``windows`` ``(W, L)``, evaluated ``batch_size`` windows at a time (one
-    host read per batch: its windows' NLL sums, for the running figure)."""
+    host read per batch: its windows' NLL sums, for the running figure). A model that streams its
+    blocks is evaluated layer-wise (every batch through a block before the next block is read;
+    :meth:`~syncdrop.parallel.executor.TPModel.layerwise_hidden_states`): the same numbers, bit for bit."""
     from syncdrop.progress import progress_bar
 
     W, L = windows.shape
     sums: list[float] = []
+    if streams_blocks(model):
+        batches = [windows[i : i + batch_size] for i in range(W)[::batch_size]]
+        with torch.inference_mode():
+            hidden = model.layerwise_hidden_states(batches, progress=progress)  # type: ignore[attr-defined]
+            for h, ids in zip(hidden, batches, strict=True):
+                sums += nll_of_hidden(model, h, ids).tolist()
+        total = sum(sums)
+        return PerplexityResult(math.exp(total / (W * (L - 1))), total, W * (L - 1), W, L, [s / (L - 1) for s in sums])
     with torch.inference_mode(), progress_bar(total=W, desc=desc, unit="win", disable=not progress, leave=False) as bar:
         for i in range(0, W, batch_size):
             sums += window_nll(model, windows[i : i + batch_size]).tolist()

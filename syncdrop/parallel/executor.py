@@ -16,6 +16,7 @@ from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import inv_frequencies, rope_tables
 from syncdrop.parallel.block import ForwardContext, LayerKV, block_forward, norm
+from syncdrop.parallel.block_store import BlockStore
 from syncdrop.parallel.comm import Communicator, SimulatedComm
 from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import BlockWeights, TensorSource, block_weights, local_geometry
@@ -35,6 +36,10 @@ class TPModel:
     ``device``: where weights, caches and activations live. Weights are read, sharded and cast to
     ``dtype`` where the source holds them (the host for checkpoints) and then moved, so what crosses to
     the device is already in the model dtype. Token ids may come from anywhere (they are moved).
+
+    ``resident_blocks``: None (default) builds every block now; ``k`` streams them from ``weights``,
+    holding at most ``k`` (:class:`~syncdrop.parallel.block_store.BlockStore`); :meth:`layerwise_hidden_states`
+    then runs a batch of inputs block by block, reading each block once.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class TPModel:
         progress: bool = False,
         device: torch.device | str = "cpu",
         block_layouts: Mapping[int, ShardLayout] | None = None,
+        resident_blocks: int | None = None,
     ) -> None:
         self.cfg, self.layout, self.comm, self.dtype = cfg, layout, comm, dtype
         self.device = torch.device(device)
@@ -74,13 +80,12 @@ class TPModel:
         self.final_norm_b = get("final_norm.bias") if cfg.norm == "layer" else None
         self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head")
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
-        layers = range(cfg.num_layers)
-        if progress:
-            from syncdrop.progress import progress_bar
+        host_geos = list(self.geos)  # the slices are read and cast where the source holds them, then moved
 
-            layers = progress_bar(layers, desc="sharding blocks", unit="block", leave=False)
-        self.blocks: list[BlockWeights] = [
-            block_weights(src, cfg, self.geos[i], self.layouts[i], i, dtype).to(self.device) for i in layers]
+        def build(i: int) -> BlockWeights:
+            return block_weights(src, cfg, host_geos[i], self.layouts[i], i, dtype).to(self.device)
+
+        self.blocks = BlockStore(build, cfg.num_layers, resident_blocks, progress)
         self.geos = [g.to(self.device) for g in self.geos]
         self.geo = self.geo.to(self.device)
 
@@ -154,11 +159,34 @@ class TPModel:
                 record.append(x)
             x = block_forward(x, self.blocks[i], self.geos[i], self.cfg, self.comm, ctx, self.plan.blocks[i],
                               cache[i] if cache else None)
+        return self._final(x, ctx)
+
+    def _final(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The residual leaving the last block ``(1 or R, M, h)`` -> final-normed hidden states."""
         if self.plan.has_partial:  # every local rank's own stream, for the vocab-parallel LM head
             x = norm(x, self.final_norm_w, self.final_norm_b, self.cfg).expand(self.geo.r, -1, -1)  # (R, M, h)
             return x.transpose(0, 1).reshape(ctx.batch, ctx.seq, -1)  # (B, S, R*h)
         x = norm(x[0], self.final_norm_w, self.final_norm_b, self.cfg)  # rank 0's stream, (M, h)
         return x.view(ctx.batch, ctx.seq, -1)
+
+    @torch.inference_mode()
+    def layerwise_hidden_states(self, batches: list[torch.Tensor], progress: bool = False) -> list[torch.Tensor]:
+        """:meth:`hidden_states` of each token-id batch ``(B, S)`` of ``batches``, computed block by block:
+        every batch through block ``i`` before block ``i + 1``. Each block is read once and the
+        activations of all batches are held (``sum B * S * h`` values, on the device) instead of all
+        blocks: what a model with streamed blocks (``resident_blocks``) evaluates with. The same block
+        calls on the same inputs as :meth:`hidden_states`, so the same results, bit for bit."""
+        ctxs = [self.context(*ids.shape) for ids in batches]
+        xs = [self.embed_tokens(ids) for ids in batches]  # each (1, B*S, h)
+        layers = range(self.cfg.num_layers)
+        if progress:
+            from syncdrop.progress import progress_bar
+
+            layers = progress_bar(layers, desc="blocks", unit="block", leave=False)
+        for i in layers:
+            w, geo, sync = self.blocks[i], self.geos[i], self.plan.blocks[i]
+            xs = [block_forward(x, w, geo, self.cfg, self.comm, c, sync) for x, c in zip(xs, ctxs, strict=True)]
+        return [self._final(x, c) for x, c in zip(xs, ctxs, strict=True)]
 
     @torch.inference_mode()
     def hidden_states(self, ids: torch.Tensor, cache: list[LayerKV] | None = None, start: int = 0) -> torch.Tensor:
@@ -176,8 +204,9 @@ class TPModel:
         return self.run_blocks(self.embed_tokens(ids, start), 0, ctx, cache)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held by this process (all local ranks, padding included)."""
-        ts = [self.embed, self.final_norm_w, *(t for b in self.blocks for t in b.tensors())]
+        """Bytes of weights held by this process now (all local ranks, padding included; with streamed
+        blocks, those in memory)."""
+        ts = [self.embed, self.final_norm_w, *(t for b in self.blocks.held() for t in b.tensors())]
         ts += [t for t in (self.pos_embed, self.final_norm_b) if t is not None]
         if self.lm_head is not self.embed:
             ts.append(self.lm_head)
@@ -217,10 +246,11 @@ def simulated_model(
     cfg: ModelConfig, weights: object, tp: int, plan: SyncPlan | None = None,
     dtype: torch.dtype = torch.float32, layout: ShardLayout | None = None, progress: bool = False,
     block_layouts: Mapping[int, ShardLayout] | None = None, device: torch.device | str = "cpu",
-    comm: Communicator | None = None,
+    comm: Communicator | None = None, resident_blocks: int | None = None,
 ) -> TPModel:
     """All ``tp`` ranks in this process (exact simulation) on ``device``; ``comm``: a
-    :class:`SimulatedComm` of ``tp`` ranks, possibly wrapped (default: a plain one)."""
+    :class:`SimulatedComm` of ``tp`` ranks, possibly wrapped (default: a plain one); ``resident_blocks``:
+    stream the blocks, holding at most that many (:class:`TPModel`)."""
     layout = layout or ShardLayout.build(cfg, tp)
     return TPModel(cfg, weights, layout, comm or SimulatedComm(tp), plan, dtype=dtype, progress=progress,
-                   block_layouts=block_layouts, device=device)
+                   block_layouts=block_layouts, device=device, resident_blocks=resident_blocks)

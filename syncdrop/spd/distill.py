@@ -253,7 +253,8 @@ def distill(
     work = sorted(i for i, t in tiers.items() if t in TRAINED_TIERS)
     out = Path(out_dir)
     (out / "blocks").mkdir(parents=True, exist_ok=True)
-    teacher = simulated_model(cfg, source.reader, tp, dtype=dtype, device=device)
+    # blocks are visited in order, each once: hold one (memory independent of depth)
+    teacher = simulated_model(cfg, source.reader, tp, dtype=dtype, device=device, resident_blocks=1)
     comm = SimulatedComm(tp)
     with torch.no_grad():
         train = _batches(teacher, train_windows, settings.batch_size)

@@ -135,14 +135,15 @@ def _blocks_from(model: TPModel, donor: TPModel | None, blocks: frozenset[int]) 
     if donor is None or not blocks:
         yield
         return
-    saved = {i: (model.blocks[i], model.geos[i], model.layouts[i]) for i in blocks}
+    saved = {i: (model.geos[i], model.layouts[i]) for i in blocks}
     try:
         for i in blocks:
             model.blocks[i], model.geos[i], model.layouts[i] = donor.blocks[i], donor.geos[i], donor.layouts[i]
         yield
     finally:
-        for i, (b, g, lay) in saved.items():
-            model.blocks[i], model.geos[i], model.layouts[i] = b, g, lay
+        for i, (g, lay) in saved.items():
+            del model.blocks[i]  # the model's own block again
+            model.geos[i], model.layouts[i] = g, lay
 
 
 def profile_sensitivity(
