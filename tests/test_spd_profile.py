@@ -183,3 +183,24 @@ def test_profile_cli_errors(tiny_llama_dir, tmp_path) -> None:
     with pytest.raises(SyncdropError, match="--samples must be at least 1"):
         _run([*base, "--tp", "2", "--samples", "0"])
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("with_donor", [False, True])
+def test_streamed_profile_equals_the_cached_one(tiny4_source, with_donor) -> None:
+    """A model that streams its blocks is profiled in one sweep over the blocks (each read once): every
+    perplexity equals the cached path's bit for bit, with the same number of block forwards; with a donor
+    (the recovered profile), the donor's blocks run where a block is dropped, in both."""
+    cfg = tiny4_source.config
+    weights = _fragile_weights(tiny4_source, FRAGILE)
+    windows = _sample(simulated_model(cfg, weights, 2), 3, 24, 5)
+    donor_w = _fragile_weights(tiny4_source, 1) if with_donor else None
+    profiles = []
+    for resident in (None, 1):
+        model = simulated_model(cfg, weights, 2, resident_blocks=resident)
+        donor = simulated_model(cfg, donor_w, 2, resident_blocks=resident) if with_donor else None
+        profiles.append(profile_sensitivity(model, windows, batch_size=2, progress=False, donor=donor))
+        if resident:
+            assert model.blocks.loads == L4 and len(model.blocks.held()) == 1
+    cached, streamed = profiles
+    assert streamed.baseline_ppl == cached.baseline_ppl and streamed.blocks == cached.blocks
+    assert streamed.block_forwards_done == cached.block_forwards_done

@@ -19,6 +19,7 @@ from syncdrop.plan.modes import (
     Partial,
     SyncMode,
     drop_variants,
+    mode_named,
     named_modes,
     parse_mode,
     register,
@@ -32,5 +33,6 @@ DROP_VARIANTS = drop_variants()  # names of the modes that remove the attention 
 __all__ = [
     "DROP", "DROP_VARIANTS", "FULL", "OWN_PLAN", "PARTIAL_MASKS", "PLAN_FORMAT", "PLAN_SPEC_HELP", "BiasInSum",
     "BlockSync", "Desync", "Drop", "DropMode", "Full", "Naive", "Partial", "SyncMode", "SyncPlan", "SyncPoint",
-    "drop_variants", "named_modes", "parse_mode", "parse_plan", "register", "resolve_plan", "split_plan_list",
+    "drop_variants", "mode_named", "named_modes", "parse_mode", "parse_plan", "register", "resolve_plan",
+    "split_plan_list",
 ]

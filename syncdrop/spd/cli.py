@@ -45,6 +45,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--stream", action="store_true",
+                   help="hold one block's weights at a time: every evaluation goes through a block before the "
+                        "next is read (each block read once; activations: up to 2L streams of the windows; the "
+                        "same profile, bit for bit)")
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="profile JSON to write (e.g. profile.json)")
     p.add_argument("--png", default=None, help="bar chart of the sensitivities (default: --out with .png)")

@@ -171,13 +171,15 @@ def profile_sensitivity(
     batches = [windows[i : i + batch_size] for i in range(0, W, batch_size)]
     saved_plan = model.plan
     t0 = time.perf_counter()
+    if model.blocks.streams:
+        try:
+            model.plan = SyncPlan.uniform(L)  # the final norm and LM head of a dense model
+            nll, done, cache_bytes = _sweep(model, batches, variant, donor, progress)
+        finally:
+            model.plan = saved_plan
+        return _profile(nll, L, W, S, scored, done, cache_bytes, time.perf_counter() - t0, variant)
 
-    # evaluations after the reference pass: (start block, dropped set); the dedupe merges the
-    # progressive and isolated plans of the last block
-    evals: dict[frozenset[int], int] = {}
-    for i in reversed(range(L)):
-        evals.setdefault(frozenset(range(i, L)), i)
-        evals.setdefault(frozenset({i}), i)
+    evals = _evaluations(L)
     planned = W * (L + sum(L - start for start in evals.values()))
     done = 0
     nll: dict[frozenset[int], float] = {}
@@ -210,6 +212,64 @@ def profile_sensitivity(
         cache_bytes = sum(t.numel() * t.element_size() for rec in cache for t in rec)
     finally:
         model.plan = saved_plan
+    assert done == planned, (done, planned)
+    return _profile(nll, L, W, S, scored, done, cache_bytes, time.perf_counter() - t0, variant)
+
+
+def _evaluations(L: int) -> dict[frozenset[int], int]:
+    """The dropped sets a profile evaluates after the reference pass, with the block each starts at
+    (every block before it runs as in the reference); the progressive and isolated plans of the last
+    block are the same set and run once."""
+    evals: dict[frozenset[int], int] = {}
+    for i in reversed(range(L)):
+        evals.setdefault(frozenset(range(i, L)), i)
+        evals.setdefault(frozenset({i}), i)
+    return evals
+
+
+def _sweep(model: TPModel, batches: list[torch.Tensor], variant: str, donor: TPModel | None,
+           progress: bool) -> tuple[dict[frozenset[int], float], int, int]:
+    """Every evaluation of a profile in one pass over the blocks, each block read once (a model that
+    streams its blocks): the reference stream and every started evaluation's stream go through block
+    ``j`` before block ``j + 1`` is read; an evaluation starting at block ``i`` starts from the
+    reference stream entering block ``i``. The same block calls on the same inputs as the cached
+    path, so the same NLLs, bit for bit. Holds ``(1 + evaluations started)`` streams of every batch:
+    up to ``2 L`` at the last block. Returns (NLL per dropped set, block forwards, peak stream bytes)."""
+    from syncdrop.eval.perplexity import nll_of_hidden
+    from syncdrop.parallel.block import block_forward
+    from syncdrop.plan import FULL, BlockSync, mode_named
+    from syncdrop.progress import progress_bar
+
+    cfg, L = model.cfg, model.cfg.num_layers
+    dense, dropped_block = BlockSync(FULL), BlockSync(mode_named(variant))
+    evals = _evaluations(L)
+    ctxs = [model.context(*ids.shape) for ids in batches]
+    ref = [model.embed_tokens(ids) for ids in batches]  # per batch (1, B*S, h)
+    streams: dict[frozenset[int], list[torch.Tensor]] = {}
+    done, peak = 0, 0
+    with torch.inference_mode(), progress_bar(range(L), desc="profiling (streamed)", unit="block",
+                                              disable=not progress, leave=False) as layers:
+        for j in layers:
+            streams |= {d: list(ref) for d, start in evals.items() if start == j}
+            peak = max(peak, sum(x.numel() * x.element_size() for xs in (ref, *streams.values()) for x in xs))
+            w, geo = model.blocks[j], model.geos[j]
+            ref = [block_forward(x, w, geo, cfg, model.comm, c, dense) for x, c in zip(ref, ctxs, strict=True)]
+            for d, xs in streams.items():
+                drops = j in d
+                wj, gj = (donor.blocks[j], donor.geos[j]) if drops and donor is not None else (w, geo)
+                sync = dropped_block if drops else dense
+                streams[d] = [block_forward(x, wj, gj, cfg, model.comm, c, sync) for x, c in zip(xs, ctxs, strict=True)]
+            done += sum(ids.shape[0] for ids in batches) * (1 + len(streams))
+        nll = {d: sum(nll_of_hidden(model, model._final(x, c), ids).sum().item()
+                      for x, c, ids in zip(xs, ctxs, batches, strict=True))
+               for d, xs in [(frozenset(), ref), *streams.items()]}
+    return nll, done, peak
+
+
+def _profile(nll: dict[frozenset[int], float], L: int, W: int, S: int, scored: int, done: int, cache_bytes: int,
+             elapsed: float, variant: str) -> Profile:
+    """The :class:`Profile` of the NLL sums of the baseline (the empty set) and every evaluated dropped set."""
+    baseline = math.exp(nll[frozenset()] / scored)
 
     def ppl(dropped: frozenset[int]) -> float:
         return math.exp(nll[dropped] / scored)
@@ -219,9 +279,7 @@ def profile_sensitivity(
         p_prog, p_next = ppl(frozenset(range(i, L))), ppl(frozenset(range(i + 1, L)))
         p_iso = ppl(frozenset({i}))
         blocks.append(BlockSensitivity(i, p_prog - p_next, p_iso - baseline, p_prog, p_iso))
-    assert done == planned, (done, planned)
-    return Profile(baseline, blocks, W, S, done, W * L * (2 * L + 1), cache_bytes,
-                   time.perf_counter() - t0, variant)
+    return Profile(baseline, blocks, W, S, done, W * L * (2 * L + 1), cache_bytes, elapsed, variant)
 
 
 class _Recording:
