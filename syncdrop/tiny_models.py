@@ -10,8 +10,11 @@ positions; tokenizer: byte-level BPE with 300 entries, ``<unk>``/``<s>``/``</s>`
 family     class       kv     notable
 =========  ==========  =====  ==============================================
 llama      Llama       2      GQA, untied lm_head
+llama3     Llama       2      Llama 3.x ``llama3`` rope scaling (factor 8 over 64 positions)
 mistral    Mistral     3      GQA, sliding_window 4096 (> any test sequence)
 qwen2      Qwen2       3      q/k/v biases
+qwen3      Qwen3       2      q/k norms, head_dim 2x (16: q width 96 != 48), tied
+phi3       Phi3        3      fused qkv_proj and gate_up_proj (as saved)
 opt        OPT         6      biases everywhere, relu, tied, LayerNorm
 =========  ==========  =====  ==============================================
 """
@@ -29,8 +32,12 @@ TOKENIZER_CORPUS = [
     "Tensor parallelism splits each layer across devices. ",
     "Sync points are all-reduce operations after attention and the MLP. ",
 ]
-FAMILIES = ("llama", "mistral", "qwen2", "opt")
-SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3, "opt": 4}
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "opt")
+SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3, "opt": 4, "qwen3": 5, "phi3": 6, "llama3": 7}
+# Llama 3.1's rope scaling with the original context shrunk to 64 positions, so that at head_dim 8 (theta 1e4:
+# wavelengths 6.3, 63, 628, 6283 positions) one frequency is kept, one interpolated and two divided by 8
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 
 def tiny_tokenizer():
@@ -69,7 +76,7 @@ def tiny_config(family: str, head_dim: int = 8, vocab_size: int | None = None):
     the widths (hidden = 6 heads x head_dim, MLP = 2 x hidden) and ``vocab_size`` may exceed the tokenizer's
     300 entries: vLLM's CPU attention needs head_dim >= 32, and vLLM pads the vocabulary to a multiple of 64
     that TP must divide (384 serves TP = 2 and 3)."""
-    from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     ids = dict(bos_token_id=1, eos_token_id=2)
     hidden = TINY["num_attention_heads"] * head_dim
@@ -78,12 +85,22 @@ def tiny_config(family: str, head_dim: int = 8, vocab_size: int | None = None):
     if family == "llama":
         return LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=ffn, rope_theta=10000.0, **ids,
                            tie_word_embeddings=False)
+    if family == "llama3":
+        return LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=ffn, **ids, tie_word_embeddings=False,
+                           rope_parameters={**LLAMA3_ROPE, "rope_theta": 10000.0})
     if family == "mistral":
         return MistralConfig(**shape, num_key_value_heads=3, intermediate_size=ffn, sliding_window=4096, **ids,
                              tie_word_embeddings=False)
     if family == "qwen2":
         return Qwen2Config(**shape, num_key_value_heads=3, intermediate_size=ffn, rope_theta=1000000.0, **ids,
                            tie_word_embeddings=False)
+    if family == "qwen3":  # head_dim is its own key in Qwen3 (default 128), here twice hidden / heads
+        return Qwen3Config(**shape, num_key_value_heads=2, head_dim=2 * head_dim, intermediate_size=ffn,
+                           rope_theta=1000000.0, **ids, tie_word_embeddings=True)
+    if family == "phi3":
+        return Phi3Config(**shape, num_key_value_heads=3, intermediate_size=ffn, rope_theta=10000.0, **ids,
+                          pad_token_id=None, original_max_position_embeddings=shape["max_position_embeddings"],
+                          tie_word_embeddings=False)
     if family == "opt":
         return OPTConfig(**shape, ffn_dim=ffn, word_embed_proj_dim=hidden, activation_function="relu",
                          **ids, pad_token_id=0, tie_word_embeddings=True)

@@ -188,3 +188,21 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     reason = item.stash.get(_DATA_MISSING, None)
     if reason is not None:
         pytest.fail(reason, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3: q/k norms (head_dim 16, twice hidden / heads), 2 KV heads, tied embeddings."""
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj as transformers saves them, 3 KV heads."""
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_phi3"), "phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory) -> Path:
+    """Llama with Llama 3.x ``llama3`` rope scaling (``syncdrop.tiny_models.LLAMA3_ROPE``)."""
+    return build_tiny_family(tmp_path_factory.mktemp("tiny_llama3"), "llama3")

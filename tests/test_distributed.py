@@ -67,6 +67,13 @@ def test_tiny_opt_distributed_equals_simulated(tiny_opt_dir, tmp_path: Path) -> 
     _check_parity(str(tiny_opt_dir), 2, [*PLANS, "all"], tmp_path)
 
 
+def test_tiny_phi3_distributed_equals_simulated(tiny_phi3_dir, tmp_path: Path) -> None:
+    """Phi-3: each rank reads only its rows of the fused qkv_proj and gate_up_proj; over 2 gloo ranks the runtime
+    gives the simulated executor's logits, dense, all-SPD and mixed. (Qwen3's q/k norms are the same (d,)
+    vectors on every rank, read as whole tensors as the other norms are.)"""
+    _check_parity(str(tiny_phi3_dir), 2, ["none", "all", "blocks:0"], tmp_path)
+
+
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return rank_env(rank, world, port) | {"OMP_NUM_THREADS": "1"}
 

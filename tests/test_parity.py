@@ -14,7 +14,7 @@ from syncdrop.models.loading import resolve_model
 from syncdrop.parallel.executor import simulated_model
 from syncdrop.plan import DROP_VARIANTS, SyncPlan
 
-FAMILIES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_opt_dir"]
+FAMILIES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir", "tiny_opt_dir"]
 
 
 def _batch(vocab: int, seq: int = 19, batch: int = 3, seed: int = 0) -> torch.Tensor:

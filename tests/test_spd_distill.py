@@ -44,7 +44,8 @@ def _grouping(src, tp: int, layer: int, unit: str, mlp: str):
     return group_heads(params, layer, cfg, tp, batches, unit, mlp)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_opt_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir",
+                                     "tiny_opt_dir"])
 @pytest.mark.parametrize("tp,unit,mlp", [(2, "group", "shard"), (3, "head", "channel"), (2, "head", "shard")])
 def test_head_grouping_is_exact_with_all_syncs(fixture, tp, unit, mlp, request) -> None:
     """With every sync kept, a per-block layout (the grouping found, and a random permutation of

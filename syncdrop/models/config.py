@@ -1,7 +1,7 @@
 """Architecture description shared by every model family.
 
-One dataclass describes Llama-family (Llama, Mistral, Qwen2, SmolLM2) and OPT decoders. The block
-math in :mod:`syncdrop.parallel.block` reads only these fields; loaders fill them from a
+One dataclass describes Llama-family (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) and OPT decoders.
+The block math in :mod:`syncdrop.parallel.block` reads only these fields; loaders fill them from a
 ``config.json`` or from GGUF metadata.
 
 Canonical weight names (what loaders produce and sharding consumes), PyTorch ``nn.Linear``
@@ -11,6 +11,8 @@ layout ``(out_features, in_features)``::
     pos_embed            (P, h)          learned positions (OPT only)
     layers.{i}.attn_norm.weight/.bias    (h,)  pre-attention norm (bias only for LayerNorm)
     layers.{i}.q/k/v.weight  (H*d, h) / (Hkv*d, h),  .bias optional
+    layers.{i}.q_norm.weight (d,)        per-head RMSNorm gain on q, shared by every head (Qwen3 only)
+    layers.{i}.k_norm.weight (d,)        the same on k
     layers.{i}.o.weight      (h, H*d),  .bias optional
     layers.{i}.mlp_norm.weight/.bias     (h,)
     layers.{i}.gate.weight   (I, h)      gated MLPs only (SwiGLU)
@@ -36,6 +38,8 @@ class ModelConfig:
 
     ``family`` selects the block variant: ``llama`` = RMSNorm, RoPE, gated MLP; ``opt`` =
     LayerNorm, learned positions (offset ``pos_offset``), plain MLP, biases everywhere.
+    ``qk_norm``: an RMSNorm over each head's ``d`` features of q and k, after the projection and before
+    RoPE (Qwen3's ``q_norm`` / ``k_norm``); it acts within a head, so sharding and SPD are unchanged.
     """
 
     family: str
@@ -57,6 +61,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -67,6 +72,8 @@ class ModelConfig:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.qk_norm and self.family != "llama":
+            raise ValueError("qk_norm (per-head RMSNorm on q and k) needs the llama family (RMSNorm)")
 
     @property
     def norm(self) -> str:
@@ -108,6 +115,8 @@ def layer_names(i: int, cfg: ModelConfig) -> list[str]:
         names.append(p + f"{proj}.weight")
         if cfg.qkv_bias:
             names.append(p + f"{proj}.bias")
+    if cfg.qk_norm:
+        names += [p + "q_norm.weight", p + "k_norm.weight"]
     names.append(p + "o.weight")
     if cfg.o_bias:
         names.append(p + "o.bias")

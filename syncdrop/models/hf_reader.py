@@ -1,10 +1,14 @@
 """Read transformers-format checkpoints (``config.json`` + ``*.safetensors``) into canonical tensors.
 
 ``config.json`` is parsed as a plain dict (no transformers config classes, no remote code), with the
-defaults of the transformers 5 config classes where a key is missing. Weights are read with
-``safetensors.safe_open`` one tensor at a time; pickled ``*.bin`` checkpoints are never loaded.
-:meth:`HFCheckpoint.get_rows` / :meth:`~HFCheckpoint.get_cols` read only the covering row/column
-range of a tensor (``safe_open(...).get_slice(key)[lo:hi]``), for one tensor-parallel rank's slice.
+defaults of the transformers 5 config classes where a key is missing. Families: Llama (Llama 3.x ``llama3``
+rope scaling included), Mistral, Qwen2, Qwen3 (per-head q/k RMSNorm: ``ModelConfig.qk_norm``), Phi-3 (fused
+``qkv_proj`` and ``gate_up_proj``, read as row ranges: :func:`checkpoint_slice`) and OPT. Architectures that
+put a norm on a sublayer's output (Gemma 2/3, OLMo 2) are refused with the reason (:data:`POST_NORM_ARCHS`).
+Weights are read with ``safetensors.safe_open`` one tensor at a time; pickled ``*.bin`` checkpoints are never
+loaded. :meth:`HFCheckpoint.get_rows` / :meth:`~HFCheckpoint.get_cols` read only the covering row/column range
+of a tensor (``safe_open(...).get_slice(key)[lo:hi]``, within a fused tensor's rows), for one tensor-parallel
+rank's slice.
 """
 
 from __future__ import annotations
@@ -19,8 +23,18 @@ import torch
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig, model_names
 from syncdrop.models.gguf_reader import normalize_index
+from syncdrop.models.rope import check_scaling
 
-SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM")
+SUPPORTED_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Phi3ForCausalLM", "OPTForCausalLM")
+# architectures that normalise the attention (and MLP) output before the residual add: with a sync point dropped,
+# SPD carries the attention partials P_r inside the MLP's all-reduce as a sum, X + AllReduce(P_r + Z_r), and
+# norm(sum_r P_r) is not sum_r norm(P_r), so the algebra does not hold for them
+POST_NORM_ARCHS = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3",
+                   "Gemma3ForConditionalGeneration": "Gemma 3", "Gemma3nForCausalLM": "Gemma 3n",
+                   "Gemma3nForConditionalGeneration": "Gemma 3n", "Gemma4ForCausalLM": "Gemma 4",
+                   "Gemma4ForConditionalGeneration": "Gemma 4", "Olmo2ForCausalLM": "OLMo 2",
+                   "Olmo3ForCausalLM": "OLMo 3"}
 # `syncdrop export` names the architecture of a model with dropped sync points Syncdrop<arch>, the class its
 # vLLM plugin registers; the weights and every other key are those of <arch>
 SERVED_ARCH_PREFIX = "Syncdrop"
@@ -33,12 +47,17 @@ def base_arch(arch: str | None) -> str | None:
     return arch
 
 # defaults of the transformers 5 config classes for keys a config.json may omit
-_MAX_POS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
+_MAX_POS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
+                    "Qwen3ForCausalLM": 32768, "Phi3ForCausalLM": 4096}
+_EPS_DEFAULT = {"Phi3ForCausalLM": 1e-5}  # the others: 1e-6
 
 # canonical per-layer suffix -> checkpoint suffix (without the layer prefix and .weight/.bias)
 _LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                 "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+                "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+# Phi-3 stores q, k, v stacked in the rows of one qkv_proj, and gate, up in those of one gate_up_proj
+_PHI3_FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 _OPT_LAYER = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm",
               "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.out_proj", "up": "fc1", "down": "fc2"}
@@ -54,9 +73,10 @@ def _require(raw: dict[str, Any], key: str, path: str) -> Any:
     return raw[key]
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any], path: str) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling or None)`` from transformers-5 ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` keys."""
+    ``rope_theta`` + ``rope_scaling`` keys. A scaling type syncdrop's RoPE does not compute
+    (:func:`syncdrop.models.rope.check_scaling`) or a partial rotary factor is refused."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
@@ -64,7 +84,14 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = scaling.pop("partial_rotary_factor", None)
+    partial = raw.get("partial_rotary_factor") if partial is None else partial
+    if partial is not None and float(partial) != 1.0:
+        raise _bad(path, f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
+    try:
+        kind = check_scaling(scaling)
+    except SyncdropError as e:
+        raise _bad(path, e.message) from None
     return theta, (scaling if kind != "default" else None)
 
 
@@ -79,6 +106,10 @@ def config_from_hf(raw: dict[str, Any], path: str = "<config.json>") -> ModelCon
     """Build a :class:`ModelConfig` from a transformers ``config.json`` dict."""
     archs = raw.get("architectures") or []
     arch = base_arch(archs[0]) if archs else None
+    if arch in POST_NORM_ARCHS:
+        raise _bad(path, f"{arch} is not supported: {POST_NORM_ARCHS[arch]} normalises the attention output "
+                         "before the residual add, so a dropped sync point cannot carry the attention partials "
+                         "in the MLP's all-reduce as a sum (the norm of a sum is not the sum of the norms)")
     if arch not in SUPPORTED_HF_ARCHS:
         raise _bad(path, f"architecture {arch!r} unsupported (expected one of {', '.join(SUPPORTED_HF_ARCHS)})")
     hidden = int(_require(raw, "hidden_size", path))
@@ -98,24 +129,34 @@ def config_from_hf(raw: dict[str, Any], path: str = "<config.json>") -> ModelCon
     if arch == "OPTForCausalLM":
         return _opt_config(raw, path, common, extra)
 
-    theta, scaling = _rope(raw)
+    theta, scaling = _rope(raw, path)
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     sliding = None
+    head_dim = raw.get("head_dim")
+    qk_norm = False
     if arch == "LlamaForCausalLM":
         qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         mlp_bias = bool(raw.get("mlp_bias", False))
     elif arch == "MistralForCausalLM":
         qkv_bias = o_bias = mlp_bias = False
         sliding = raw.get("sliding_window", 4096)
-    else:  # Qwen2
+    elif arch == "Qwen2ForCausalLM":
         qkv_bias, o_bias, mlp_bias = True, False, False
         sliding = _qwen2_sliding(raw, path, common["num_layers"])
+    elif arch == "Qwen3ForCausalLM":  # q/k norms; one attention_bias for q/k/v and o; head_dim defaults to 128
+        qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        mlp_bias, qk_norm = False, True
+        head_dim = raw.get("head_dim", 128)
+        sliding = _qwen2_sliding(raw, path, common["num_layers"])
+    else:  # Phi3: no biases; its sliding_window (if set) applies to every layer
+        qkv_bias = o_bias = mlp_bias = False
+        sliding = raw.get("sliding_window")
     return ModelConfig(
         family="llama",
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        head_dim=int(head_dim or hidden // heads),
         num_kv_heads=kv_heads,
         intermediate_size=int(_require(raw, "intermediate_size", path)),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(raw.get("rms_norm_eps", _EPS_DEFAULT.get(arch, 1e-6))),
         act=str(raw.get("hidden_act", "silu")),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -124,6 +165,7 @@ def config_from_hf(raw: dict[str, Any], path: str = "<config.json>") -> ModelCon
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
         sliding_window=None if sliding is None else int(sliding),
         extra=extra,
         **common,
@@ -131,7 +173,7 @@ def config_from_hf(raw: dict[str, Any], path: str = "<config.json>") -> ModelCon
 
 
 def _qwen2_sliding(raw: dict[str, Any], path: str, num_layers: int) -> int | None:
-    """Qwen2 slides only when ``use_sliding_window``, and then only on layers >= ``max_window_layers``
+    """Qwen2 and Qwen3 slide only when ``use_sliding_window``, and then only on layers >= ``max_window_layers``
     (or as ``layer_types`` says). One window for all layers is what ModelConfig can express."""
     window = raw.get("sliding_window")
     if not raw.get("use_sliding_window", False) or window is None:
@@ -144,7 +186,7 @@ def _qwen2_sliding(raw: dict[str, Any], path: str, num_layers: int) -> int | Non
         return None
     if all(t == "sliding_attention" for t in types):
         return int(window)
-    raise _bad(path, "Qwen2 with sliding window on only some layers (max_window_layers/layer_types) "
+    raise _bad(path, "Qwen2/Qwen3 with sliding window on only some layers (max_window_layers/layer_types) "
                      "is not supported")
 
 
@@ -181,8 +223,44 @@ def _opt_config(raw: dict[str, Any], path: str, common: dict[str, Any], extra: d
     )
 
 
+def fused_projections(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Checkpoint suffix of each fused projection -> the canonical projections stacked in its rows, in row
+    order: Phi-3 ``{"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}``, else ``{}``.
+
+    Block ``i``'s ``model.layers.{i}.self_attn.qkv_proj.weight`` is ``cat([q, k, v].weight)`` along rows (what a
+    writer concatenates, and what :func:`checkpoint_slice` cuts apart)."""
+    return dict(_PHI3_FUSED) if cfg.arch == "Phi3ForCausalLM" else {}
+
+
+def _fused_rows(cfg: ModelConfig) -> dict[str, int]:
+    d, i = cfg.head_dim, cfg.intermediate_size
+    return {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d, "gate": i, "up": i}
+
+
+def checkpoint_slice(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """``(key, rows)``: the checkpoint key (without the optional ``model.`` prefix) holding canonical tensor
+    ``name``, and the row range ``(lo, hi)`` it occupies there when that tensor is fused with others
+    (:func:`fused_projections`), else None (the whole tensor)."""
+    m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.(weight|bias)", name)
+    for fused, parts in fused_projections(cfg).items():
+        if m is not None and m[2] in parts:
+            sizes = _fused_rows(cfg)
+            lo = sum(sizes[p] for p in parts[: parts.index(m[2])])
+            return f"layers.{m[1]}.{fused}.{m[3]}", (lo, lo + sizes[m[2]])
+    return _plain_name(name, cfg), None
+
+
 def checkpoint_name(name: str, cfg: ModelConfig) -> str:
-    """Checkpoint key (without the optional ``model.`` prefix) of canonical tensor ``name``."""
+    """Checkpoint key (without the optional ``model.`` prefix) of canonical tensor ``name``. ``ValueError``
+    for a tensor a checkpoint stores as rows of a fused one (Phi-3's q/k/v, gate/up: :func:`checkpoint_slice`)."""
+    key, rows = checkpoint_slice(name, cfg)
+    if rows is not None:
+        raise ValueError(f"{name} is rows {rows[0]}..{rows[1] - 1} of {key} in a {cfg.arch} checkpoint, not a "
+                         "tensor of its own (see fused_projections)")
+    return key
+
+
+def _plain_name(name: str, cfg: ModelConfig) -> str:
     opt = cfg.family == "opt"
     base = "decoder." if opt else ""
     if name == "embed":
@@ -219,6 +297,7 @@ class HFCheckpoint:
         self.config = config_from_hf(raw, path)
         self._files = self._weight_files()
         self._handles: dict[str, Any] = {}
+        self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows in a fused tensor (Phi-3)
         self._index = self._build_index()
 
     def _weight_files(self) -> dict[str, str]:
@@ -241,7 +320,8 @@ class HFCheckpoint:
         return keys
 
     def _build_index(self) -> dict[str, str | None]:
-        """Canonical name -> checkpoint key (None: a synthesised non-affine LayerNorm parameter)."""
+        """Canonical name -> checkpoint key (None: a synthesised non-affine LayerNorm parameter); the row
+        ranges of fused tensors go to ``self._rows``, and a fused tensor must have exactly their rows."""
         cfg = self.config
         affine = cfg.extra.get("norm_affine", True)
         index: dict[str, str | None] = {}
@@ -250,12 +330,21 @@ class HFCheckpoint:
             if not affine and ("norm." in name):
                 index[name] = None
                 continue
-            key = checkpoint_name(name, cfg)
+            key, rows = checkpoint_slice(name, cfg)
             found = next((k for k in ("model." + key, key) if k in self._files), None)
             if found is None:
-                missing.append("model." + key if name != "lm_head" else key)
-            else:
-                index[name] = found
+                shown = "model." + key if name != "lm_head" else key
+                if shown not in missing:  # fused parts (Phi-3) share a key
+                    missing.append(shown)
+                continue
+            index[name] = found
+            if rows is not None:
+                self._rows[name] = rows
+                total = self._slice(found).get_shape()[0]
+                fused = key.split(".", 2)[2].rsplit(".", 1)[0]  # layers.0.self_attn.qkv_proj.weight: self_attn.qkv_proj
+                want = sum(_fused_rows(cfg)[p] for p in fused_projections(cfg)[fused])
+                if total != want:
+                    raise _bad(self.path, f"{found} has {total} rows, config.json implies {want}")
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise _bad(self.path, f"safetensors lack {', '.join(missing[:3])}{more}")
@@ -271,12 +360,30 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self._index)
 
+    def stored_dtype(self, name: str) -> str | None:
+        """The safetensors dtype (``"BF16"``, ``"F32"``...) canonical tensor ``name`` is stored in, without
+        reading it; None for a synthesised non-affine LayerNorm parameter."""
+        key = self._key(name)
+        return None if key is None else self._handle(self._files[key]).get_slice(key).get_dtype()
+
+    def release(self) -> None:
+        """Close the open files. ``safe_open`` memory-maps them, and every page read stays in this process's
+        resident memory while the map is open; a reader that streams a whole checkpoint once (``syncdrop
+        export``) calls this after each tensor, so that its RSS is one tensor, not the checkpoint. Files
+        reopen on the next read."""
+        self._handles.clear()
+
+    def _slice(self, key: str) -> Any:
+        return self._handle(self._files[key]).get_slice(key)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of canonical tensor ``name`` without reading it."""
         key = self._index[name]
         if key is None:
             return (self.config.hidden_size,)
-        return tuple(self._handle(self._files[key]).get_slice(key).get_shape())
+        shape = tuple(self._slice(key).get_shape())
+        lo, hi = self._rows.get(name, (0, shape[0]))
+        return (hi - lo, *shape[1:])
 
     def _key(self, name: str) -> str | None:
         if name not in self._index:
@@ -292,6 +399,9 @@ class HFCheckpoint:
         key = self._key(name)
         if key is None:
             return self._filled(name)
+        if name in self._rows:  # its rows of a fused tensor, read alone
+            lo, hi = self._rows[name]
+            return self._slice(key)[lo:hi].to(torch.float32).contiguous()
         return self._handle(self._files[key]).get_tensor(key).to(torch.float32)
 
     def get_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
@@ -305,8 +415,9 @@ class HFCheckpoint:
 
     def _get_along(self, name: str, index: torch.Tensor, dim: int) -> torch.Tensor:
         key = self._key(name)
-        sl = None if key is None else self._handle(self._files[key]).get_slice(key)
-        shape = tuple(sl.get_shape()) if sl is not None else (self.config.hidden_size,)
+        sl = None if key is None else self._slice(key)
+        shape = self.shape(name)
+        r0, r1 = self._rows.get(name, (0, shape[0]))  # the canonical tensor's rows in the stored one
         if len(shape) <= dim:
             raise IndexError(f"{name}: get_cols needs a 2-D tensor, shape is {shape}")
         idx = normalize_index(index, shape[dim], name)
@@ -315,7 +426,7 @@ class HFCheckpoint:
         if idx.numel() == 0:
             return torch.empty(shape[:dim] + (0,) + shape[dim + 1:], dtype=torch.float32)
         lo, hi = int(idx.min()), int(idx.max()) + 1
-        part = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+        part = sl[r0 + lo : r0 + hi] if dim == 0 else sl[r0:r1, lo:hi]
         if idx.numel() != hi - lo or not torch.equal(idx, torch.arange(lo, hi)):
             part = part.index_select(dim, idx - lo)
         return part.to(torch.float32).contiguous()

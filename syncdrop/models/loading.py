@@ -10,7 +10,8 @@ Accepted model specs, tried in this order:
    blocks, see :mod:`syncdrop.models.distilled`); the source then carries ``spd``, the manifest with
    the plan and TP degree the blocks were distilled for;
 4. a transformers checkpoint directory (``config.json`` + safetensors), or a hub id that
-   ``huggingface_hub.snapshot_download`` can fetch (Llama, Mistral, Qwen2, OPT).
+   ``huggingface_hub.snapshot_download`` can fetch (Llama, Mistral, Qwen2, Qwen3, Phi-3, OPT; Gemma 2/3 are
+   refused with the reason, :mod:`syncdrop.models.hf_reader`).
 
 Anything else raises :class:`~syncdrop.errors.SyncdropError`. Weights come out under the canonical
 names and layouts of :mod:`syncdrop.models.config`, in float32, one tensor per ``get`` call.
@@ -259,7 +260,8 @@ def expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     _, _, proj, kind = name.split(".")
     out, inp = {"attn_norm": (h, 0), "mlp_norm": (h, 0), "q": (q_out, h), "k": (kv_out, h),
                 "v": (kv_out, h), "o": (h, q_out), "gate": (cfg.intermediate_size, h),
-                "up": (cfg.intermediate_size, h), "down": (h, cfg.intermediate_size)}[proj]
+                "up": (cfg.intermediate_size, h), "down": (h, cfg.intermediate_size),
+                "q_norm": (d, 0), "k_norm": (d, 0)}[proj]
     return (out,) if kind == "bias" or inp == 0 else (out, inp)
 
 

@@ -63,6 +63,15 @@ def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: ModelCon
     return w * xf.to(x.dtype)
 
 
+def head_norm(q: torch.Tensor, k: torch.Tensor, w: BlockWeights, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Qwen3's per-head RMSNorm of q ``(B, H, S, d)`` and k ``(B, K, S, d)`` over each head's ``d`` features
+    (before RoPE), one ``(d,)`` gain for all heads; identity when the model has none. Within a head, so any
+    split of the heads over ranks commutes with it, and a zero-padded head stays zero."""
+    if w.q_norm_w is None:
+        return q, k
+    return norm(q, w.q_norm_w, None, cfg), norm(k, w.k_norm_w, None, cfg)  # same shapes
+
+
 def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r: int) -> torch.Tensor:
     """Column-parallel ``Y_r = X_r A_r + b_r`` for R ranks, A split along its output dimension.
 
@@ -104,6 +113,7 @@ def attention_partial(
     q = q.reshape(B, S, R * Q, d).transpose(1, 2)  # (B, R*Q, S, d): rank-major head axis
     k = k.reshape(B, S, R * K, d).transpose(1, 2)  # (B, R*K, S, d)
     v = v.reshape(B, S, R * K, d).transpose(1, 2)
+    q, k = head_norm(q, k, w, cfg)  # (B, R*Q, S, d), (B, R*K, S, d): Qwen3's q_norm / k_norm, before RoPE
     if ctx.cos is not None:
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     mask, causal = None, True

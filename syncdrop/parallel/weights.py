@@ -14,6 +14,8 @@ Layouts (Q = max local q heads, K = max local KV heads, F = max local MLP channe
 * ``down_w`` ``(R, F, h)``              row-parallel.
 * Column biases are sharded like their columns; row-parallel biases (``o_b``, ``down_b``) are
   whole ``(h,)`` vectors, added once after the sync point (never inside the sum).
+* ``q_norm_w``, ``k_norm_w`` ``(d,)`` replicated (Qwen3, else None): the per-head RMSNorm gains on q and k,
+  one vector that every head of every rank uses, so no rank needs a slice of its own.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class BlockWeights:
     up_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None
+    q_norm_w: torch.Tensor | None = None
+    k_norm_w: torch.Tensor | None = None
 
     def _fields(self) -> list[torch.Tensor | None]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]  # (astuple would deep-copy)
@@ -198,5 +202,6 @@ def block_weights(
         mlp_norm_w=get(p + "mlp_norm.weight").to(dtype), mlp_norm_b=maybe("mlp_norm.bias", ln),
         qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=maybe("o.bias", cfg.o_bias),
         up_w=up_w, up_b=up_b, down_w=down_w, down_b=maybe("down.bias", cfg.mlp_bias),
+        q_norm_w=maybe("q_norm.weight", cfg.qk_norm), k_norm_w=maybe("k_norm.weight", cfg.qk_norm),
     )
 

@@ -38,7 +38,7 @@ import torch
 
 from syncdrop.models.config import ModelConfig
 from syncdrop.models.rope import apply_rope
-from syncdrop.parallel.block import ForwardContext, attention_partial, column_linear, mlp_partial, norm
+from syncdrop.parallel.block import ForwardContext, attention_partial, column_linear, head_norm, mlp_partial, norm
 from syncdrop.parallel.sharding import ShardLayout, _even_split
 from syncdrop.parallel.weights import TensorSource, block_weights, local_geometry
 from syncdrop.spd import HG_MLP as MLP_MATCHING
@@ -104,6 +104,7 @@ def _score_maps_distance(
     k = k.reshape(B * S, H, K, d)[:, heads, kv_of_q]  # (M, H, d): the KV head each q head reads
     q = q.reshape(B, S, H, d).transpose(1, 2)  # (B, H, S, d)
     k = k.reshape(B, S, H, d).transpose(1, 2)
+    q, k = head_norm(q, k, w, cfg)  # (B, H, S, d) each: q/k norms (Qwen3) before RoPE, as attention_partial
     if ctx.cos is not None:
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
     scores = (q @ k.transpose(-1, -2)) * d**-0.5  # (B, H, S, S)
