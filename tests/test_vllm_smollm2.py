@@ -1,5 +1,5 @@
-"""SmolLM2 served by vLLM (CPU backend, TP=3, fp32) through the syncdrop plugin, against syncdrop's simulated
-executor on the same tokens.
+"""SmolLM2 served by vLLM (CPU backend, TP=3, fp32, vLLM's default compilation) through the syncdrop plugin,
+against syncdrop's simulated executor on the same tokens.
 
 One engine for the module: a ``syncdrop distill`` directory (blocks 5 and 20 head-grouped and distilled for
 TP=3) exported under plan ``all``, so every block runs the SPD block in vLLM, two of them with distilled
@@ -50,6 +50,7 @@ def test_export_merges_distilled_blocks_and_bakes_their_grouping(served) -> None
     assert ex.architecture == "SyncdropLlamaForCausalLM" and ex.distilled_blocks == [5, 20]
     assert ex.permuted_blocks == [5, 20]  # the MLP channels matched to each rank's heads moved
     assert served["vllm"]["architectures"] == ["SyncdropLlamaForCausalLM"]
+    assert served["vllm"]["compilation"]["mode"] != "NONE"  # compiled, as vLLM serves by default
     cfg = json.loads((ex.out / "config.json").read_text())
     assert cfg["syncdrop_tp"] == TP and len(SyncPlan.from_dict(cfg["syncdrop_plan"]).dropped) == 30
 

@@ -1,6 +1,7 @@
 """Plan ``none`` through the syncdrop plugin equals stock vLLM: the tiny Llama (vLLM-sized) served as it is by
 stock vLLM, and exported under plan ``none`` and served through the plugin's ``SyncdropLlamaForCausalLM``
-(forced with ``hf_overrides``), at TP=2 in fp32. Both also equal syncdrop's simulated executor."""
+(forced with ``hf_overrides``), at TP=2 in fp32, both compiled as vLLM does by default. Both also equal
+syncdrop's simulated executor."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def runs(tiny_vllm_dir, tmp_path_factory):
 def test_plan_none_through_the_plugin_is_stock_vllm(runs) -> None:
     assert runs["stock"]["architectures"] == ["LlamaForCausalLM"]
     assert runs["plugin"]["architectures"] == ["SyncdropLlamaForCausalLM"]
+    assert runs["plugin"]["compilation"] == runs["stock"]["compilation"]
+    assert runs["stock"]["compilation"]["mode"] != "NONE"
     assert runs["plugin"]["prompt_logprobs"] == runs["stock"]["prompt_logprobs"]
     assert runs["plugin"]["tokens"] == runs["stock"]["tokens"]
 

@@ -144,6 +144,13 @@ class OverlayCheckpoint:
     def names(self) -> list[str]:
         return self.base.names()
 
+    def release(self) -> None:
+        """Drop the distilled tensors read so far and release the base reader's files (see
+        :meth:`syncdrop.models.hf_reader.HFCheckpoint.release`); both are read again when next needed."""
+        self._cache.clear()
+        if hasattr(self.base, "release"):
+            self.base.release()
+
     def overridden(self) -> list[str]:
         """Canonical names read from the distilled block files, sorted."""
         return sorted(self._files)

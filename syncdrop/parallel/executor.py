@@ -82,8 +82,14 @@ class TPModel:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
         host_geos = list(self.geos)  # the slices are read and cast where the source holds them, then moved
 
+        # a streaming model unmaps the checkpoint after each block: its pages would otherwise stay resident
+        release = getattr(weights, "release", None) if resident_blocks is not None else None
+
         def build(i: int) -> BlockWeights:
-            return block_weights(src, cfg, host_geos[i], self.layouts[i], i, dtype).to(self.device)
+            w = block_weights(src, cfg, host_geos[i], self.layouts[i], i, dtype).to(self.device)
+            if release is not None:
+                release()
+            return w
 
         self.blocks = BlockStore(build, cfg.num_layers, resident_blocks, progress)
         self.geos = [g.to(self.device) for g in self.geos]

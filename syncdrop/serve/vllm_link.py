@@ -8,10 +8,26 @@ the environment asks for it, so that a production server runs vLLM's collectives
   has a core of its own, as :mod:`syncdrop.bench.link` does) what a ring over N ranks costs on that link:
   :func:`syncdrop.bench.ring.ring_all_reduce_s` / ``ring_all_gather_s``, the same
   functions syncdrop's own emulation (:mod:`syncdrop.bench.link`) and the cost model use.
-* ``SYNCDROP_VLLM_INSTRUMENT=1`` (implied by a link): each such collective is timed from its call to its
-  end, emulated wait included, so a rank's time also holds its wait for the slowest rank. The bench
-  switches recording on and off and collects the times with ``collective_rpc`` through the worker
-  extension :class:`SyncdropWorkerExtension`.
+* ``SYNCDROP_VLLM_INSTRUMENT=1`` (the bench's diagnostic run): while recording is on, each such collective
+  is timed from its call to its end (device synchronised, emulated wait included), so a rank's time also
+  holds its wait for the slowest rank. The bench switches recording on and off and collects the times with
+  ``collective_rpc`` through the worker extension :class:`SyncdropWorkerExtension`. With recording off
+  nothing is synchronised: only the link, when there is one, costs a synchronisation per collective.
+
+The wrapped methods are ``GroupCoordinator``'s public ``all_reduce``, ``all_gather`` and ``gather``
+(what ``tensor_model_parallel_all_reduce`` and the logits processor call). **Under vLLM's compilation**
+(Dynamo traces the model's forward once, ``fullgraph``) the all-reduce and all-gather of the
+tensor-parallel group go through custom ops, ``syncdrop::tp_all_reduce_`` and ``syncdrop::tp_all_gather``
+(:func:`torch.library.custom_op`), as vLLM's own collectives go through ``vllm::all_reduce``: Dynamo
+puts one opaque call in the graph and the clock and the wait run at every call, compiled or eager.
+``tp_all_reduce_`` works in place, as vLLM's CPU all-reduce does (its CUDA all-reduce is out of place:
+the result is copied back), so that Inductor reuses the buffer instead of copying it. The logits gather
+runs outside the compiled forward. vLLM's compile cache does not know about the wrapper, so installing it
+turns the cache off in that process (``VLLM_DISABLE_COMPILE_CACHE=1``): an engine with the wrapper neither
+loads a graph traced without it nor saves one for an engine without it. **CUDA graphs** replay kernels
+without the host, so neither the clock nor the wait can run inside one: capturing one of these ops raises
+:data:`GRAPH_REFUSAL` (one line). The bench turns CUDA graphs off in every engine that emulates a link or
+clocks (``cudagraph_mode: NONE``; Dynamo compilation stays on).
 """
 
 from __future__ import annotations
@@ -27,8 +43,13 @@ from syncdrop.bench.ring import ring_all_gather_s, ring_all_reduce_s
 ENV_BANDWIDTH = "SYNCDROP_LINK_BANDWIDTH_BPS"
 ENV_LATENCY = "SYNCDROP_LINK_LATENCY_S"
 ENV_INSTRUMENT = "SYNCDROP_VLLM_INSTRUMENT"
+ENV_NO_COMPILE_CACHE = "VLLM_DISABLE_COMPILE_CACHE"
+GRAPH_REFUSAL = ("syncdrop: the emulated link and the sync-point clock (SYNCDROP_LINK_*, SYNCDROP_VLLM_INSTRUMENT) "
+                 "wait on the host and cannot run inside a CUDA graph: start vLLM with CUDA graphs off "
+                 "(compilation_config={\"cudagraph_mode\": \"NONE\"}, or enforce_eager=True)")
 
 _recording: list[tuple[str, float]] | None = None  # (kind, seconds) per collective while recording
+_link: tuple[float, float | None] | None = None
 _installed = False
 
 
@@ -47,35 +68,100 @@ def _synchronize(t: torch.Tensor) -> None:
         torch.accelerator.synchronize()
 
 
-def _wrap(fn, kind: str, link: tuple[float, float | None] | None):
-    def timed(self, input_: torch.Tensor, *args, **kwargs):
-        if not self.unique_name.startswith("tp") or self.world_size == 1:
-            return fn(self, input_, *args, **kwargs)
-        t0 = time.perf_counter()
-        out = fn(self, input_, *args, **kwargs)
-        _synchronize(input_)
-        if link is not None:
-            n, nbytes = self.world_size, input_.numel() * input_.element_size()
-            wait(ring_all_reduce_s(nbytes, n, *link) if kind == "all_reduce"
-                 else ring_all_gather_s(nbytes * n, n, *link), spin=ranks_have_own_cores(n))
-        if _recording is not None:
-            _recording.append((kind, time.perf_counter() - t0))
+def _begin(t: torch.Tensor) -> float:
+    """The clock's start; refuses CUDA-graph capture (the host work below would not be replayed)."""
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(GRAPH_REFUSAL)
+    return time.perf_counter()
+
+
+def _end(kind: str, t: torch.Tensor, n: int, t0: float) -> None:
+    """After a collective of ``t`` (this rank's input) over ``n`` ranks: the link's wait, then the clock."""
+    if _link is None and _recording is None:
+        return
+    _synchronize(t)
+    if _link is not None:
+        nbytes = t.numel() * t.element_size()
+        wait(ring_all_reduce_s(nbytes, n, *_link) if kind == "all_reduce"
+             else ring_all_gather_s(nbytes * n, n, *_link), spin=ranks_have_own_cores(n))
+    if _recording is not None:
+        _recording.append((kind, time.perf_counter() - t0))
+
+
+def _is_tp(group) -> bool:
+    return group.world_size > 1 and group.unique_name.startswith("tp")
+
+
+def _install_ops(coordinator: type) -> None:
+    """Define the custom ops around ``coordinator``'s stock methods and route the TP group's calls to them."""
+    from vllm.distributed import get_tp_group
+
+    stock_all_reduce, stock_all_gather, stock_gather = (coordinator.all_reduce, coordinator.all_gather,
+                                                        coordinator.gather)
+
+    @torch.library.custom_op("syncdrop::tp_all_reduce_", mutates_args=("x",))
+    def tp_all_reduce_(x: torch.Tensor) -> None:
+        group = get_tp_group()
+        t0 = _begin(x)
+        out = stock_all_reduce(group, x)
+        if out is not x:  # vLLM's CUDA all-reduce is out of place
+            x.copy_(out)
+        _end("all_reduce", x, group.world_size, t0)
+
+    @tp_all_reduce_.register_fake
+    def _(x: torch.Tensor) -> None:
+        return None
+
+    @torch.library.custom_op("syncdrop::tp_all_gather", mutates_args=())
+    def tp_all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+        group = get_tp_group()
+        t0 = _begin(x)
+        out = stock_all_gather(group, x, dim).contiguous()
+        _end("gather", x, group.world_size, t0)
         return out
 
-    return timed
+    @tp_all_gather.register_fake
+    def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] *= get_tp_group().world_size
+        return x.new_empty(shape)
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        if not _is_tp(self):
+            return stock_all_reduce(self, input_)
+        torch.ops.syncdrop.tp_all_reduce_(input_)
+        return input_
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if not _is_tp(self):
+            return stock_all_gather(self, input_, dim)
+        return torch.ops.syncdrop.tp_all_gather(input_, dim)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """The logits gather (outside the compiled forward: a plain wrapper; it returns None off ``dst``)."""
+        if not _is_tp(self):
+            return stock_gather(self, input_, dst, dim)
+        t0 = _begin(input_)
+        out = stock_gather(self, input_, dst, dim)
+        _end("gather", input_, self.world_size, t0)
+        return out
+
+    coordinator.all_reduce, coordinator.all_gather, coordinator.gather = all_reduce, all_gather, gather
 
 
 def install() -> bool:
     """Wrap vLLM's group collectives when the environment asks for it (idempotent); True when wrapped."""
-    global _installed
+    global _installed, _link
     link = link_from_env()
     if _installed or (link is None and os.environ.get(ENV_INSTRUMENT) != "1"):
         return _installed
-    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.distributed import GroupCoordinator
 
-    GroupCoordinator._all_reduce_out_place = _wrap(GroupCoordinator._all_reduce_out_place, "all_reduce", link)
-    GroupCoordinator._all_gather_out_place = _wrap(GroupCoordinator._all_gather_out_place, "gather", link)
-    GroupCoordinator.gather = _wrap(GroupCoordinator.gather, "gather", link)
+    # vLLM's compile cache is keyed by its config and vLLM's environment, not by this wrapper: an artifact traced
+    # without it (or with it) must not be loaded here (or elsewhere), or the link's wait would silently vanish
+    os.environ[ENV_NO_COMPILE_CACHE] = "1"
+    _link = link
+    _install_ops(GroupCoordinator)
     _installed = True
     return True
 
@@ -86,13 +172,14 @@ class SyncdropWorkerExtension:
     pickled callables)."""
 
     def syncdrop_set_dropped(self, dropped: list[int]) -> list[int]:
-        """Switch the model's SPD blocks (:func:`syncdrop.serve.vllm_models.set_dropped`)."""
+        """Switch the model's SPD blocks (:func:`syncdrop.serve.vllm_models.set_dropped`; refused in an engine
+        that compiles the model or captures CUDA graphs)."""
         from syncdrop.serve.vllm_models import set_dropped
 
         return set_dropped(self.get_model(), dropped)
 
     def syncdrop_start_recording(self) -> bool:
-        """Start timing this worker's collectives."""
+        """Start timing this worker's collectives; False when the clock is not installed."""
         global _recording
         _recording = []
         return _installed

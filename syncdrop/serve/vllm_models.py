@@ -16,6 +16,17 @@ the bias switched off (``skip_bias_add``; :func:`set_spd`), so only the one all-
 layers carry the residual beside the hidden state (``(hidden, residual)``, summed by the next fused
 add-norm): an SPD block returns ``(AllReduce(P_r + Z_r) + biases, X)``. OPT layers return the sum.
 Nothing here is device-specific: the same classes run on vLLM's CPU and CUDA backends.
+
+**A plan is fixed for an engine's lifetime.** vLLM compiles the model at its first forward (inside
+``LLM(...)``: Dynamo traces it once, ``fullgraph``, guards dropped) and may capture CUDA graphs; whether a
+block runs SPD is read while tracing, so a later :func:`set_dropped` would be silently ignored. It is
+refused instead (:data:`SWITCH_REFUSAL`) in an engine that compiles or captures graphs, and allowed in an
+eager one (``enforce_eager=True``). To serve or time another plan, start another engine (the bench does,
+one per plan, overriding ``syncdrop_plan`` with ``hf_overrides``).
+
+Imports that older vLLM releases lack are guarded (vLLM before its own ``mistral`` module served Mistral
+with its Llama class); the supported range is checked when the plugin loads
+(:mod:`syncdrop.serve.vllm_plugin`).
 """
 
 from __future__ import annotations
@@ -24,13 +35,21 @@ import torch
 from torch import nn
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.opt import OPTForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from syncdrop.errors import SyncdropError
 from syncdrop.plan import DROP, SyncPlan, resolve_plan
 from syncdrop.plan.modes import add_bias
+
+try:
+    from vllm.model_executor.models.mistral import MistralForCausalLM
+except ImportError:  # older vLLM: Mistral is served by the Llama class
+    MistralForCausalLM = LlamaForCausalLM
+
+SWITCH_REFUSAL = ("syncdrop plugin: cannot switch SPD blocks from {have} to {want}: {why}, so the switch would be "
+                  "silently ignored; a plan is fixed for a compiled engine's lifetime: start one engine per plan "
+                  "(or run this one with enforce_eager=True)")
 
 
 class SPDLlamaDecoderLayer(nn.Module):
@@ -101,16 +120,37 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
 
 
+def frozen_by(vllm_config) -> str | None:
+    """Why a module switch would not reach the running model: vLLM compiles it (one trace, no guards) or
+    captures CUDA graphs; None for an eager engine."""
+    if vllm_config.model_config.enforce_eager:
+        return None
+    cc = vllm_config.compilation_config
+    mode = cc.mode if hasattr(cc, "mode") else getattr(cc, "level", 0)  # `level` in older vLLM
+    if mode:
+        return f"this engine compiled the model (compilation mode {getattr(mode, 'name', mode)})"
+    graphs = getattr(cc, "cudagraph_mode", None)
+    if graphs is not None and graphs.name != "NONE" and getattr(cc, "cudagraph_capture_sizes", None):
+        return f"this engine captured CUDA graphs (cudagraph_mode {graphs.name})"
+    return None
+
+
 def set_dropped(model: nn.Module, dropped: list[int]) -> list[int]:
-    """Switch a ``Syncdrop<arch>`` model to another plan of SPD blocks without reloading (benchmarks run the
-    plans of one engine interleaved; ``LLM.apply_model``): converted layers in ``dropped`` run SPD, the
-    others stock. Only layers the model's own plan drops are converted; asking for another raises."""
+    """Switch a ``Syncdrop<arch>`` model to another plan of SPD blocks without reloading, in an eager engine
+    (``LLM.collective_rpc("syncdrop_set_dropped")``, :mod:`syncdrop.serve.vllm_link`): converted layers in
+    ``dropped`` run SPD, the others stock. Only layers the model's own plan drops are converted; asking for
+    another raises ValueError. In an engine that compiles the model or captures CUDA graphs any change
+    raises RuntimeError (:data:`SWITCH_REFUSAL`); asking for the blocks already active is a no-op."""
     layers = decoder_layers(model)
     want = set(dropped)
     convertible = {i for i, layer in enumerate(layers) if hasattr(layer, "spd_active")}
     held = {i for i, layer in enumerate(layers) if hasattr(layer, "fc2") or hasattr(layer, "mlp")}
     if want & held - convertible:
         raise ValueError(f"blocks {sorted(want & held - convertible)} were not exported as SPD blocks")
+    have = sorted(i for i in convertible if layers[i].spd_active)
+    why = getattr(model, "syncdrop_frozen", None)
+    if why and have != sorted(want & convertible):
+        raise RuntimeError(SWITCH_REFUSAL.format(have=have, want=sorted(want & convertible), why=why))
     for i in convertible:
         set_spd(layers[i], i in want)
     return sorted(want & convertible)
@@ -155,6 +195,7 @@ def _syncdrop_class(stock: type) -> type:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kw) -> None:
         stock.__init__(self, vllm_config=vllm_config, prefix=prefix, **kw)
+        self.syncdrop_frozen = frozen_by(vllm_config)
         convert_dropped(decoder_layers(self), plan_of(vllm_config.model_config.hf_config),
                         opt=issubclass(stock, OPTForCausalLM))
 
