@@ -1,16 +1,19 @@
 """The plugin's SPD variants of OPT (biases everywhere: added once, after the sum), Qwen2 (q/k/v biases),
-Mistral and Llama in vLLM (CPU, fp32, vLLM's default compilation) against syncdrop's simulated executor
+Mistral, Llama (also with Llama 3.x ``llama3`` rope scaling), Qwen3 (q/k norms) and Phi-3 (fused qkv_proj and
+gate_up_proj) in vLLM (CPU, fp32, vLLM's default compilation) against syncdrop's simulated executor
 under a mixed plan. The OPT case is in the default run (one engine); the others are ``slow``. The OPT engine
 also runs the plugin's sync clock and an emulated link (:mod:`syncdrop.serve.vllm_link`): under
 compilation both are custom ops in the traced graph, and the clock shows them at every sync point of every
 forward, the link's wait included, with the log-probs unchanged. Then it refuses a switch of its SPD blocks:
-the trace would ignore it (the eager engine of ``test_vllm_compile.py`` takes the same switch)."""
+the trace would ignore it (the eager engine of ``test_vllm_compile.py`` takes the same switch). Every
+``Syncdrop<arch>`` the plugin registers is checked to be defined (no engine)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from syncdrop.models.hf_reader import SUPPORTED_HF_ARCHS
 from syncdrop.plan import SyncPlan
 from syncdrop.serve.engine import run_job
 from syncdrop.serve.export import export_model
@@ -50,8 +53,24 @@ def test_opt_compiled_clock_link_and_a_refused_switch(tiny_vllm_dir, tmp_path) -
     assert "start one engine per plan" in refusal and "\n" not in refusal
 
 
+def test_every_registered_architecture_has_its_class() -> None:
+    """Each ``Syncdrop<arch>`` the plugin registers (one per arch syncdrop loads) is defined, over vLLM's ``<arch>``."""
+    import subprocess
+
+    from syncdrop.serve.engine import vllm_python
+
+    code = ("import syncdrop.serve.vllm_models as m; from syncdrop.serve.vllm_plugin import served_architectures\n"
+            "for arch, target in served_architectures().items():\n"
+            "    cls = getattr(m, target.split(':')[1], None)\n"
+            "    print(arch, cls is not None and cls.__name__ == arch and cls.__mro__[1].__name__ == arch[8:])")
+    out = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    got = dict(line.split() for line in out.stdout.splitlines() if line.startswith("Syncdrop"))
+    assert got == {f"Syncdrop{a}": "True" for a in SUPPORTED_HF_ARCHS}, got
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,plan", [("llama", 2, "all"), ("qwen2", 3, "blocks:0"), ("mistral", 3, "blocks:1")])
+@pytest.mark.parametrize("family,tp,plan", [("llama", 2, "all"), ("qwen2", 3, "blocks:0"), ("mistral", 3, "blocks:1"),
+                                            ("llama3", 2, "blocks:1"), ("qwen3", 2, "all"), ("phi3", 3, "blocks:0")])
 def test_llama_family(tiny_vllm_dir, tmp_path, family, tp, plan) -> None:
     _case(tiny_vllm_dir, tmp_path, family, tp, plan)
 

@@ -1,4 +1,5 @@
-"""SPD variants of vLLM's Llama, Mistral, Qwen2 and OPT models (imported by vLLM, through the plugin).
+"""SPD variants of vLLM's Llama, Mistral, Qwen2, Qwen3, Phi-3 and OPT models (imported by vLLM, through the
+plugin).
 
 A ``Syncdrop<arch>`` model is vLLM's own ``<arch>`` with the blocks its plan drops (``syncdrop_plan``
 in ``config.json``, written by ``syncdrop export``) turned into SPD blocks after construction; every
@@ -25,8 +26,8 @@ eager one (``enforce_eager=True``). To serve or time another plan, start another
 one per plan, overriding ``syncdrop_plan`` with ``hf_overrides``).
 
 Imports that older vLLM releases lack are guarded (vLLM before its own ``mistral`` module served Mistral
-with its Llama class); the supported range is checked when the plugin loads
-(:mod:`syncdrop.serve.vllm_plugin`).
+with its Llama class; one without ``qwen3`` or ``phi3`` gets no ``Syncdrop`` class for it); the supported
+range is checked when the plugin loads (:mod:`syncdrop.serve.vllm_plugin`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ try:
     from vllm.model_executor.models.mistral import MistralForCausalLM
 except ImportError:  # older vLLM: Mistral is served by the Llama class
     MistralForCausalLM = LlamaForCausalLM
+try:
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+except ImportError:  # older vLLM: no Qwen3
+    Qwen3ForCausalLM = None
+try:
+    from vllm.model_executor.models.phi3 import Phi3ForCausalLM
+except ImportError:  # older vLLM: no Phi-3
+    Phi3ForCausalLM = None
 
 SWITCH_REFUSAL = ("syncdrop plugin: cannot switch SPD blocks from {have} to {want}: {why}, so the switch would be "
                   "silently ignored; a plan is fixed for a compiled engine's lifetime: start one engine per plan "
@@ -53,8 +62,10 @@ SWITCH_REFUSAL = ("syncdrop plugin: cannot switch SPD blocks from {have} to {wan
 
 
 class SPDLlamaDecoderLayer(nn.Module):
-    """Forward of an SPD block for vLLM's Llama-family decoder layers (Llama, Mistral, Qwen2): the same
-    modules (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``), one sync point."""
+    """Forward of an SPD block for vLLM's Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi-3: vLLM
+    serves Phi-3 with its Llama layers): the same modules (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``), one sync point. Qwen3's q/k norms are inside ``self_attn``, before
+    the partial ``P_r`` is formed."""
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,3 +217,7 @@ SyncdropLlamaForCausalLM = _syncdrop_class(LlamaForCausalLM)
 SyncdropMistralForCausalLM = _syncdrop_class(MistralForCausalLM)
 SyncdropQwen2ForCausalLM = _syncdrop_class(Qwen2ForCausalLM)
 SyncdropOPTForCausalLM = _syncdrop_class(OPTForCausalLM)
+if Qwen3ForCausalLM is not None:
+    SyncdropQwen3ForCausalLM = _syncdrop_class(Qwen3ForCausalLM)
+if Phi3ForCausalLM is not None:
+    SyncdropPhi3ForCausalLM = _syncdrop_class(Phi3ForCausalLM)
