@@ -376,7 +376,7 @@ def model_plan(source, plan_spec: str | SyncPlan | None, tp: int | None = None, 
                serving: bool = False, what: str = "plan") -> SyncPlan:
     """:func:`~syncdrop.plan.resolve_plan` for ``source``: its block count and its own plan."""
     return resolve_plan(plan_spec, source.config.num_layers, tp=tp, own=source.own_plan(), variant=drop_variant,
-                        serving=serving, what=what)
+                        serving=serving, what=what, hidden=source.config.hidden_size)
 
 
 def for_plan(source, plan: SyncPlan, warn: bool = True):

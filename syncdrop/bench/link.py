@@ -89,6 +89,15 @@ class EmulatedLinkComm(CommWrapper):
         self._delay(out, self.link.all_gather_s(rows * max(sizes) * len(sizes) * x.element_size(), self.tp))
         return out
 
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        """The two-step all-reduce, then the ring all-reduce's wait for its encoded bytes: the exchange
+        and the gather are the reduce-scatter and all-gather halves, ``N - 1`` steps each, each moving
+        ``(N - 1) / N`` of one rank's encoded partial (:meth:`~syncdrop.plan.wire.WireFormat.two_step_bytes`)."""
+        out = self.inner.compressed_all_reduce(y, wire)
+        per_rank = wire.two_step_bytes(y.numel() // max(1, y.shape[0]), self.tp)
+        self._delay(out, self.link.all_reduce_s(per_rank, self.tp))
+        return out
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.all_reduce(x)
         per_rank = x.numel() * x.element_size() // max(1, x.shape[0])  # (R, M, h): one rank's (M, h)

@@ -49,6 +49,10 @@ class SyncTimer(CommWrapper):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._timed("sync", self.inner.all_reduce, x)
 
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        """Timed as one sync point: encoding, both exchanges, decoding and the sum."""
+        return self._timed("sync", self.inner.compressed_all_reduce, y, wire)
+
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return self._timed("gather", self.inner.all_gather_last, x, sizes)
 

@@ -37,6 +37,21 @@ class _AllReduce(torch.autograd.Function):
         return out, None
 
 
+class _CompressedAllReduce(torch.autograd.Function):
+    """The two-step compressed all-reduce, differentiated straight through: the backward is the plain
+    all-reduce's (an all-reduce of the output gradient, in fp32), as if the rounding were the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm, wire) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return comm.compressed_all_reduce(x, wire)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        out = ctx.comm.all_reduce(g.to(torch.float32, copy=True).contiguous()).to(g.dtype)
+        return out, None, None
+
+
 class _GatherLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm, sizes: list[int], rank: int) -> torch.Tensor:  # type: ignore[override]
@@ -58,6 +73,9 @@ class GradComm(CommWrapper):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return _AllReduce.apply(x, self.inner)
+
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        return _CompressedAllReduce.apply(y, self.inner, wire)
 
     def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return _GatherLast.apply(x, self.inner, sizes, self.rank)

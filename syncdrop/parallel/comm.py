@@ -8,6 +8,11 @@ Every communicator is a :class:`Communicator`:
 * ``all_gather_last(x, sizes)``: the local ranks' slices ``(..., sum of local sizes)`` ->
   every rank's slice concatenated in rank order ``(..., sum(sizes))`` (vocab-parallel logits);
 * ``broadcast(x)``: rank 0's ``x`` on every rank;
+* ``all_to_all(x)``: ``(R, N, X)`` -> ``(R, N, X)``, entry ``r`` of rank ``c``'s result is entry ``c``
+  of rank ``r``'s input;
+* ``all_gather(x)``: ``(R, X)`` -> ``(1, N, X)``, every rank's ``x`` in rank order;
+* ``compressed_all_reduce(y, wire)``: ``(R, M, h)`` -> ``(1, M, h)``, the two-step all-reduce of a
+  :class:`~syncdrop.plan.wire.WireFormat` (written with the two collectives above), as one sync point;
 * ``barrier()``: wait for every rank;
 * ``generator(device)``: a random generator on ``device`` that every rank seeds and advances
   identically (the random channel masks of the ``mask: random`` ablation).
@@ -47,6 +52,20 @@ class Communicator:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank (e.g. sampled tokens, so every rank continues identically)."""
         raise NotImplementedError
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``(R, N, X)`` -> ``(R, N, X)``: rank ``c`` receives entry ``c`` of every rank, in rank order."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``(R, X)`` -> ``(1, N, X)``: every rank's ``x``, in rank order, on every rank."""
+        raise NotImplementedError
+
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        """``(R, M, h)`` partials -> ``(1, M, h)``: the two-step all-reduce with ``wire``'s format
+        (:meth:`syncdrop.plan.wire.WireFormat.two_step`), counted as one call."""
+        self.calls += 1
+        return wire.two_step(self, y)
 
     def barrier(self) -> None:
         """Return once every rank has called it."""
@@ -90,6 +109,25 @@ class SimulatedComm(Communicator):
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         return x  # one process: rank 0's value is the value
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).contiguous()  # (N_src, N_dst, X) -> (N_dst, N_src, X)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != self.tp:
+            raise ValueError(f"all_gather: the simulated ranks hold {x.shape[0]} rows, not {self.tp}")
+        return x.unsqueeze(0)  # (N, X) -> (1, N, X)
+
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        """The two-step all-reduce; under autograd its gradient is the plain sum's (straight-through:
+        the value is the compressed sum's, bit for bit)."""
+        if y.shape[0] != self.tp:
+            raise ValueError("compressed_all_reduce got a replicated tensor; partials must carry all N ranks")
+        out = super().compressed_all_reduce(y, wire)
+        if y.requires_grad and torch.is_grad_enabled():
+            s = y.sum(0, keepdim=True)
+            out = out.detach() + (s - s.detach())
+        return out
+
     def barrier(self) -> None:
         return None
 
@@ -118,6 +156,15 @@ class CommWrapper(Communicator):
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.broadcast(x)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_to_all(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_gather(x)
+
+    def compressed_all_reduce(self, y: torch.Tensor, wire) -> torch.Tensor:
+        return self.inner.compressed_all_reduce(y, wire)
 
     def barrier(self) -> None:
         self.inner.barrier()

@@ -233,6 +233,22 @@ class DistComm(Communicator):
         parts = parts.view(self.tp, *x.shape[:-1], n)  # (N, ..., n)
         return torch.cat([parts[r, ..., : sizes[r]] for r in range(self.tp)], dim=-1)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``(1, N, X)`` -> ``(1, N, X)``: entry ``r`` of the result is entry ``rank`` of rank ``r``'s ``x``."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if self.tp == 1:
+            return x
+        _guarded("all-to-all", dist.all_to_all_single, out.view(-1), x.view(-1), group=self.group)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``(1, X)`` -> ``(1, N, X)``: every rank's ``x`` in rank order."""
+        x = x.contiguous().reshape(1, -1)
+        parts = torch.empty((self.tp, x.shape[1]), dtype=x.dtype, device=x.device)  # (N, X)
+        _guarded("all-gather", _ALL_GATHER, parts, x, group=self.group)
+        return parts.unsqueeze(0)
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank (a copy when ``x`` is not contiguous)."""
         x = x.contiguous()

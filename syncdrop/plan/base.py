@@ -24,6 +24,8 @@ class Collectives(Protocol):
 
     def generator(self, device: torch.device) -> torch.Generator: ...
 
+    def compressed_all_reduce(self, y: torch.Tensor, wire: Any) -> torch.Tensor: ...
+
 
 def add_bias(x: torch.Tensor, *biases: torch.Tensor | None) -> torch.Tensor:
     """``x + b_1 + b_2 + ...``, left to right, skipping absent biases."""
@@ -76,6 +78,9 @@ class SyncMode:
     def private_channels(self) -> bool:
         """True when each rank keeps channels of its own (the LM head then becomes vocab-parallel)."""
         return False
+
+    def check(self, hidden: int) -> None:
+        """Raise :class:`SyncdropError` when this mode cannot run on a model of this hidden size."""
 
     def vllm_blocker(self) -> str | None:
         """Why vLLM's plugin (one replicated residual per token, :mod:`syncdrop.serve.vllm_models`)

@@ -21,9 +21,12 @@ partial ``p``   ``X + PartialReduce_k(P_r, b_o)``             ``H + Sync_mlp(Z_r
 ``naive``       ``X + P_r + b_o``                             ``H_r + AllReduce(Z_r) + b_down`` (ranks diverge)
 ``desync``      ``X + P_r + b_o``                             ``AllReduce(Z_r + H_r / N) + b_down``
 ``bias-in-sum`` ``X + P_r + b_o``                             ``X + AllReduce(P_r + b_o + Z_r + b_down)``
+compressed      ``X + TwoStep(P_r) + b_o``                    ``H + Sync_mlp(Z_r) + b_down``
 =============== ============================================ =============================================
 
-Each mode also states its payload (what its sync point sends, as a fraction of a full ``(M, h)``
+``TwoStep`` is an all-reduce with a low-bit wire format (:mod:`syncdrop.plan.compressed`,
+:mod:`syncdrop.plan.wire`); as the MLP sync point of a ``drop`` block it compresses the SPD block's one
+all-reduce. Each mode also states its payload (what its sync point sends, as a fraction of a full ``(M, h)``
 all-reduce, and in bytes), whether ranks' residual streams may differ after it, and whether vLLM's
 plugin serves it (and why not). Adding a mode is one class here, registered with :func:`register`,
 plus its tests: the plan, the block, the cost model and the CLI ask the mode, never its name.
@@ -40,13 +43,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from syncdrop.errors import SyncdropError
 from syncdrop.plan.base import ATTN, MLP, Collectives, SyncMode, add_bias
+from syncdrop.plan.compressed import Compressed, parse_compressed
 from syncdrop.plan.partial import PARTIAL_MASKS, Partial, partial_channel_reduce
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ATTN", "DROP", "FULL", "MLP", "PARTIAL_MASKS", "BiasInSum", "Collectives", "Desync", "Drop", "DropMode",
-           "Full", "Naive", "Partial", "SyncMode", "add_bias", "drop_variants", "mode_named", "named_modes",
+__all__ = ["ATTN", "DROP", "FULL", "MLP", "PARTIAL_MASKS", "BiasInSum", "Collectives", "Compressed", "Desync", "Drop",
+           "DropMode", "Full", "Naive", "Partial", "SyncMode", "add_bias", "drop_variants", "mode_named", "named_modes",
            "parse_mode", "partial_channel_reduce", "register"]
 
 _REGISTRY: dict[str, SyncMode] = {}
@@ -182,8 +186,12 @@ def mode_named(name: str) -> SyncMode:
     return _REGISTRY[name]
 
 
+MODE_FORMS = '{"partial": p} or {"wire": "int8"|"int4"|"fp8"|"bf16", "group": G}'
+
+
 def parse_mode(v: Any, point: str, where: str) -> SyncMode:
-    """A mode from its JSON form (a name, or ``{"partial": p, "scale": bool, "mask": str}``), checked to
+    """A mode from its JSON form (a name, ``{"partial": p, "scale": bool, "mask": str}`` or ``{"wire": fmt,
+    "group": G}``), checked to
     be allowed at ``point`` (``attn`` or ``mlp``); ``where`` names it in errors."""
     if isinstance(v, SyncMode):
         mode = v
@@ -194,9 +202,11 @@ def parse_mode(v: Any, point: str, where: str) -> SyncMode:
             mode = Partial(v["partial"], v.get("scale", True), v.get("mask", "fixed"))
         except SyncdropError as e:
             raise SyncdropError(f"{where}: {e.message}") from None
+    elif isinstance(v, dict) and "wire" in v and set(v) <= {"wire", "group"}:
+        mode = parse_compressed(v, where)
     else:
-        raise SyncdropError(f"{where}={v!r}; expected one of {', '.join(named_modes(point))} or {{\"partial\": p}}")
+        raise SyncdropError(f"{where}={v!r}; expected one of {', '.join(named_modes(point))}, {MODE_FORMS}")
     if point not in mode.points:
-        raise SyncdropError(f"{where}={mode.to_json()!r}; expected one of {', '.join(named_modes(point))} or "
-                            "{\"partial\": p}")
+        raise SyncdropError(f"{where}={mode.to_json()!r}; expected one of {', '.join(named_modes(point))}, "
+                            f"{MODE_FORMS}")
     return mode

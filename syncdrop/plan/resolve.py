@@ -22,7 +22,7 @@ OWN_PLAN = "model"  # the spec that names the model's own plan (``--plans model`
 
 def resolve_plan(spec: str | Path | SyncPlan | dict[str, Any] | None, num_blocks: int, *, tp: int | None = None,
                  own: SyncPlan | None = None, variant: str = "drop", serving: bool = False,
-                 what: str = "plan") -> SyncPlan:
+                 what: str = "plan", hidden: int | None = None) -> SyncPlan:
     """The plan to run, checked.
 
     ``spec``: a spec string or JSON path (:func:`~syncdrop.plan.spec.parse_plan`), a plan's JSON
@@ -31,6 +31,7 @@ def resolve_plan(spec: str | Path | SyncPlan | dict[str, Any] | None, num_blocks
     must have. ``tp``: the degree it will run at (a plan made from a profile at another degree is
     warned about: its sensitivities were measured for another split of heads). ``serving``: also
     require that vLLM's plugin can serve it. ``what``: the field errors name (``plan``, ``plans``).
+    ``hidden``: the model's hidden size, which every mode must accept (e.g. a wire group size divides it).
     """
     if isinstance(spec, SyncPlan):
         plan = spec
@@ -54,6 +55,11 @@ def resolve_plan(spec: str | Path | SyncPlan | dict[str, Any] | None, num_blocks
         if isinstance(made_at, int) and made_at != tp:
             log.warning("the plan was chosen from a sensitivity profile measured at tp=%d; it runs at tp=%d, where "
                         "each rank holds other heads, so its predicted perplexity does not apply", made_at, tp)
+    if hidden is not None:
+        try:
+            plan.check(hidden)
+        except SyncdropError as e:
+            raise SyncdropError(f"{spec!r}: {e.message}" if isinstance(spec, str) else e.message, field=what) from None
     if serving:
         why = plan.vllm_blocker()
         if why:

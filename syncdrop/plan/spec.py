@@ -1,5 +1,7 @@
 """Plan spec strings, as the CLI takes them: ``none | all | last:K | first:K | frac:F | blocks:0,3,7 |
-partial:P | PATH.json``. Commands do not call :func:`parse_plan` directly: they resolve a plan
+partial:P | PATH.json``, each optionally followed by ``+WIRE`` (``int8``, ``int4:g32``, ``fp8``,
+``bf16``: every kept sync point compressed, :meth:`SyncPlan.compressed`), or ``WIRE`` alone (``none+WIRE``).
+Commands do not call :func:`parse_plan` directly: they resolve a plan
 with :func:`syncdrop.plan.resolve.resolve_plan`, which parses, resolves and validates in one place.
 """
 
@@ -9,8 +11,11 @@ from pathlib import Path
 
 from syncdrop.errors import SyncdropError
 from syncdrop.plan.sync_plan import SyncPlan
+from syncdrop.plan.wire import WIRE_FORMATS, parse_wire
 
-PLAN_SPEC_HELP = "none | all | last:K | first:K | frac:F | blocks:0,3,7 | partial:P | PATH.json"
+PLAN_SPEC_HELP = ("none | all | last:K | first:K | frac:F | blocks:0,3,7 | partial:P | PATH.json, optionally "
+                  "+WIRE (int8, int4, fp8, bf16; :gG for the group size) to compress the kept sync points, "
+                  "or WIRE alone")
 
 
 def _parse_int(text: str, what: str, spec: str) -> int:
@@ -38,6 +43,12 @@ def parse_plan(spec: str, num_blocks: int, variant: str = "drop") -> SyncPlan:
     means for the spec forms (``drop`` = the SPD block); a JSON file states its modes itself.
     """
     s = spec.strip()
+    base, plus, wire = s.rpartition("+")
+    if wire.partition(":")[0] in WIRE_FORMATS and not Path(s).is_file():  # PLAN+WIRE, or WIRE alone
+        if plus and not base:
+            raise SyncdropError(f"malformed plan {spec!r}: expected PLAN+WIRE, e.g. frac:0.7+int8")
+        w = parse_wire(wire, f"plan {spec!r}: wire")
+        return parse_plan(base or "none", num_blocks, variant).compressed(w.fmt, w.group)
     if s == "none":
         return SyncPlan.uniform(num_blocks)
     if s == "all":

@@ -19,7 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from syncdrop.errors import SyncdropError
-from syncdrop.plan.modes import ATTN, FULL, MLP, Partial, SyncMode, drop_variants, mode_named, named_modes, parse_mode
+from syncdrop.plan.modes import (
+    ATTN,
+    FULL,
+    MLP,
+    Compressed,
+    Full,
+    Partial,
+    SyncMode,
+    drop_variants,
+    mode_named,
+    named_modes,
+    parse_mode,
+)
 
 PLAN_FORMAT = "syncdrop-plan"
 
@@ -91,6 +103,24 @@ class SyncPlan:
         """Every sync point of every block partial with fraction ``p`` (CAAT-Net)."""
         m = Partial(p, scale, mask)
         return cls([BlockSync(m, m) for _ in range(num_blocks)])
+
+    def compressed(self, wire: str, group: int | None = None) -> SyncPlan:
+        """This plan with every kept ``full`` sync point compressed to ``wire`` (:class:`Compressed`); a
+        dropped block's MLP point is its one all-reduce, so SPD blocks compress that."""
+        mode = Compressed(wire) if group is None else Compressed(wire, group)
+
+        def swap(m: SyncMode) -> SyncMode:
+            return mode if isinstance(m, Full) else m
+
+        blocks = [BlockSync(b.attn if b.attn.drops else swap(b.attn),
+                            swap(b.mlp) if b.attn.combines_with(mode) else b.mlp) for b in self.blocks]
+        return SyncPlan(blocks, dict(self.meta))
+
+    def check(self, hidden: int) -> None:
+        """Raise :class:`SyncdropError` when a mode cannot run on a model of hidden size ``hidden``
+        (:meth:`SyncMode.check`, e.g. a wire group size that does not divide it)."""
+        for m in dict.fromkeys(self.modes()):
+            m.check(hidden)
 
     # ---- derived facts ----
     @property
@@ -188,6 +218,10 @@ class SyncPlan:
             ps = sorted({m.p for m in partial})
             parts.append(f"{len(partial)}/{2 * self.num_blocks} sync points partial "
                          f"(p={','.join(f'{p:g}' for p in ps)})")
+        wires = [m for m in self.modes() if isinstance(m, Compressed)]
+        if wires:
+            parts.append(f"{len(wires)}/{2 * self.num_blocks} sync points compressed "
+                         f"({','.join(sorted({str(m) for m in wires}))})")
         return "; ".join(parts) or "none"
 
     # ---- JSON ----

@@ -1,0 +1,157 @@
+"""The compressed sync mode: low-bit wire formats and the two-step all-reduce (syncdrop.plan.wire,
+syncdrop.plan.compressed), against hand computations and an independent formulation; plans, errors,
+the emulated link's charge, and the straight-through gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncdrop.bench.link import EmulatedLinkComm, Link
+from syncdrop.cli import main
+from syncdrop.errors import SyncdropError
+from syncdrop.parallel.comm import SimulatedComm
+from syncdrop.plan import BlockSync, SyncPlan, parse_plan, resolve_plan
+from syncdrop.plan.compressed import Compressed
+from syncdrop.plan.wire import WIRE_FORMATS, WireFormat, parse_wire
+
+QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+
+
+def test_two_step_int8_by_hand() -> None:
+    """Two ranks, two groups of two; scales chosen to be exact in bfloat16 (127 / 2^k), so every step is
+    computed here by hand:
+
+    rank 0 group 0 [15.875, 1.03]: s = 0.125, q = [127, round(8.24) = 8] -> [15.875, 1.0]
+    rank 1 group 0 [-7.9375, 3.0]: s = 1/16, q = [-127, 48]         -> exact
+    sum [7.9375, 4.0]: s = 1/16, q = [127, 64]                     -> [7.9375, 4.0]
+    rank 0 group 1 [0.9921875, 0.25] and rank 1 [0.9921875, 0.1328125]: s = 1/128, exact
+    sum [1.984375, 0.3828125]: s = 1/64, q = [127, round(24.5) = 24 (half to even)] -> [1.984375, 0.375]
+    """
+    y = torch.tensor([[[15.875, 1.03, 0.9921875, 0.25]], [[-7.9375, 3.0, 0.9921875, 0.1328125]]])
+    out = WireFormat("int8", 2).two_step(SimulatedComm(2), y)
+    assert out.tolist() == [[[7.9375, 4.0, 1.984375, 0.375]]]
+
+
+def test_codecs_by_hand() -> None:
+    """int4 packs two values per byte (low nibble first, offset 8); fp8 e4m3 and bf16 keep representable values."""
+    w4 = WireFormat("int4", 4)
+    g = torch.tensor([[3.5, -1.0, 0.6, 2.0]])  # s = 0.5: q = [7, -2, round(1.2) = 1, 4]
+    b = w4.encode(g)
+    assert b.shape == (1, 4) and b[0, :2].tolist() == [(7 + 8) | ((-2 + 8) << 4), (1 + 8) | ((4 + 8) << 4)]
+    assert w4.decode(b).tolist() == [[3.5, -1.0, 0.5, 2.0]]
+    w8 = WireFormat("fp8", 2)
+    assert w8.decode(w8.encode(torch.tensor([[448.0, -3.0]]))).tolist() == [[448.0, -3.0]]  # s = 1
+    wb = WireFormat("bf16", 2)
+    assert wb.decode(wb.encode(torch.tensor([[1.0, 1.0 + 2**-10]]))).tolist() == [[1.0, 1.0]]
+    assert WireFormat("int8").decode(WireFormat("int8").encode(torch.zeros(1, 64))).abs().sum() == 0  # scale 1
+
+
+@pytest.mark.parametrize("fmt", WIRE_FORMATS)
+@pytest.mark.parametrize("tp,tokens", [(2, 1), (3, 5), (4, 3)])
+def test_two_step_equals_quantise_sum_quantise(fmt: str, tp: int, tokens: int) -> None:
+    """Independent of the chunking (padding included: 9 groups per token over 2 or 4 ranks): the result is
+    D(E(sum_r D(E(y_r)))) with the sum in rank order, bit for bit; and within one quantisation step of each
+    rank's partial and of the sum of the exact sum."""
+    wire = WireFormat(fmt, 64)
+    y = torch.randn(tp, tokens, 576, generator=torch.Generator().manual_seed(tp)) * torch.linspace(0.1, 10, 576)
+    out = SimulatedComm(tp).compressed_all_reduce(y, wire)
+    s = wire.round_trip(y[0])
+    for r in range(1, tp):
+        s = s + wire.round_trip(y[r])
+    assert torch.equal(out[0], wire.round_trip(s))
+    if fmt != "bf16":
+        def step(t: torch.Tensor) -> torch.Tensor:  # (tokens, 576) -> each element's group scale amax / qmax
+            return t.reshape(tokens, -1, 64).abs().amax(-1, keepdim=True).expand(-1, -1, 64).reshape(tokens, 576) \
+                / QMAX[fmt]
+        # per quantisation: integers round by half a step and clamp by at most amax 2^-8 (the scale's
+        # bfloat16 rounding), under one step; fp8 e4m3 rounds by 2^-4 of the value, at most 28 steps
+        factor = 30.0 if fmt == "fp8" else 1.0
+        bound = factor * (sum(step(y[r]) for r in range(tp)) + step(s))
+        assert ((out[0] - y.sum(0)).abs() <= bound + 1e-6).all()
+
+
+def test_simulated_model_compressed_plans(tmp_path) -> None:
+    """SmolLM2-shaped sums through the simulated executor: a bf16 wire barely moves the logits of a fp32
+    model, int8 more, int4 most; SPD + int8 compresses only the SPD blocks' one sync point."""
+    from syncdrop.models.loading import resolve_model
+    from syncdrop.parallel.executor import simulated_model
+
+    src = resolve_model("smollm2")
+    ids = torch.randint(0, src.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    sim = simulated_model(src.config, src.reader, 3)
+    L = src.config.num_layers
+    logits = {}
+    for spec in ("none", "bf16", "int8", "int4", "frac:0.5", "frac:0.5+int8"):
+        sim.plan = parse_plan(spec, L)
+        sim.comm.calls = 0
+        logits[spec] = sim(ids)
+        assert sim.comm.calls == sim.plan.collectives_per_forward
+    err = {k: (v - logits["none"]).abs().max().item() for k, v in logits.items()}
+    assert 0 < err["bf16"] < err["int8"] < err["int4"]
+    assert (logits["frac:0.5+int8"] - logits["frac:0.5"]).abs().max() > 0
+
+
+def test_straight_through_gradient() -> None:
+    """The compressed sum's gradient is the plain sum's; its value is the compressed one, bit for bit."""
+    y = torch.randn(3, 2, 128, requires_grad=True)
+    wire = WireFormat("int4", 32)
+    out = SimulatedComm(3).compressed_all_reduce(y, wire)
+    with torch.no_grad():
+        assert torch.equal(out, SimulatedComm(3).compressed_all_reduce(y, wire))
+    w = torch.randn(1, 2, 128)
+    (out * w).sum().backward()
+    assert torch.equal(y.grad, w.expand(3, -1, -1))
+
+
+def test_link_charges_the_encoded_bytes() -> None:
+    """The emulated link waits the ring all-reduce's time for the encoded partial: int8 in groups of 64
+    is 66 bytes per 64 values, padded to whole chunks (9 groups per token over 2 ranks: 10)."""
+    link = Link(bandwidth=1e6, latency=0.0)
+    comm = EmulatedLinkComm(SimulatedComm(2), link)
+    wire = WireFormat("int8", 64)
+    comm.compressed_all_reduce(torch.randn(2, 1, 576), wire)
+    assert wire.two_step_bytes(576, 2) == 10 * 66
+    assert comm.waited_s == pytest.approx(link.all_reduce_s(10 * 66, 2))
+    full = EmulatedLinkComm(SimulatedComm(2), link)
+    full.all_reduce(torch.randn(2, 1, 576, dtype=torch.bfloat16))
+    assert comm.waited_s / full.waited_s == pytest.approx(660 / 1152)
+
+
+def test_plan_forms_and_facts() -> None:
+    p = parse_plan("frac:0.5+int4:g32", 4)
+    assert p.dropped == [2, 3]
+    assert p.blocks[0] == BlockSync(Compressed("int4", 32), Compressed("int4", 32))
+    assert p.blocks[3] == BlockSync("drop", Compressed("int4", 32))  # the SPD block's one all-reduce
+    assert SyncPlan.from_dict(p.to_dict(), 4) == p
+    assert p.to_dict()["blocks"][3] == {"attn": "drop", "mlp": {"wire": "int4", "group": 32}}
+    assert parse_plan("int8", 4) == parse_plan("none+int8", 4) == SyncPlan.uniform(4).compressed("int8")
+    assert p.collectives_per_forward == 6 and not p.ranks_diverge
+    # bytes per rank and forward, 10 tokens of hidden 64: int4 g32 is 18 bytes per 32 values
+    assert p.wire_bytes(10, 64, 2) == 6 * 10 * 2 * 18
+    assert parse_plan("all+int8", 4, variant="naive").blocks[0].mlp.name == "full"  # the ablations keep theirs
+    assert "compressed (int4:g32)" in p.summary()
+    assert p.vllm_blocker() and "compressed" in p.vllm_blocker()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("int8:g40", "wire group size 40 does not divide the hidden size 576"),
+    ("frac:0.5+int3", "malformed plan"),
+    ("int4:x3", "expected FORMAT or FORMAT:gG"),
+    ("int8:g7", "even integer"),
+    ("+int8", "expected PLAN+WIRE"),
+])
+def test_bad_wire_specs_exit_2(capsys, spec: str, message: str) -> None:
+    assert main(["ppl", "--model", "smollm2", "--tp", "3", "--plan", spec, "--max-windows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_modes_in_plan_files() -> None:
+    with pytest.raises(SyncdropError, match=r"blocks\[0\]\.mlp: wire format must be one of"):
+        SyncPlan.from_dict({"blocks": [{"mlp": {"wire": "int3"}}]}, 1)
+    with pytest.raises(SyncdropError, match="combines with attn"):
+        BlockSync("naive", Compressed("int8"))
+    with pytest.raises(SyncdropError, match="does not divide the hidden size 48"):
+        resolve_plan("int8", 2, hidden=48)
+    assert parse_wire("int4:g32") == WireFormat("int4", 32)
