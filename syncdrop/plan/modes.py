@@ -45,6 +45,7 @@ from syncdrop.errors import SyncdropError
 from syncdrop.plan.base import ATTN, MLP, Collectives, SyncMode, add_bias
 from syncdrop.plan.compressed import Compressed, parse_compressed
 from syncdrop.plan.partial import PARTIAL_MASKS, Partial, partial_channel_reduce
+from syncdrop.plan.wire import DEFAULT_GROUP
 
 if TYPE_CHECKING:
     import torch
@@ -197,9 +198,10 @@ def parse_mode(v: Any, point: str, where: str) -> SyncMode:
         mode = v
     elif isinstance(v, str) and v in _REGISTRY:
         mode = _REGISTRY[v]
-    elif isinstance(v, dict) and "partial" in v and set(v) <= {"partial", "scale", "mask"}:
+    elif isinstance(v, dict) and "partial" in v and set(v) <= {"partial", "scale", "mask", "wire", "group"}:
         try:
-            mode = Partial(v["partial"], v.get("scale", True), v.get("mask", "fixed"))
+            mode = Partial(v["partial"], v.get("scale", True), v.get("mask", "fixed"), v.get("wire"),
+                           v.get("group", DEFAULT_GROUP))
         except SyncdropError as e:
             raise SyncdropError(f"{where}: {e.message}") from None
     elif isinstance(v, dict) and "wire" in v and set(v) <= {"wire", "group"}:

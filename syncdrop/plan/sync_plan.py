@@ -12,6 +12,7 @@ On disk a plan is JSON: ``{"format": "syncdrop-plan", "version": 1, "num_blocks"
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ class BlockSync:
     def modes(self) -> tuple[tuple[str, SyncMode], tuple[str, SyncMode]]:
         return (ATTN, self.attn), (MLP, self.mlp)
 
+    @property
+    def is_dense(self) -> bool:
+        """True when both sync points are ``full`` all-reduces: the stock block."""
+        return self.attn == FULL and self.mlp == FULL
+
     def to_dict(self) -> dict[str, Any]:
         return {"attn": self.attn.to_json(), "mlp": self.mlp.to_json()}
 
@@ -105,11 +111,14 @@ class SyncPlan:
         return cls([BlockSync(m, m) for _ in range(num_blocks)])
 
     def compressed(self, wire: str, group: int | None = None) -> SyncPlan:
-        """This plan with every kept ``full`` sync point compressed to ``wire`` (:class:`Compressed`); a
-        dropped block's MLP point is its one all-reduce, so SPD blocks compress that."""
+        """This plan with every kept ``full`` sync point compressed to ``wire`` (:class:`Compressed`) and
+        the shared channels of every partial one too; a dropped block's MLP point is its one all-reduce,
+        so SPD blocks compress that."""
         mode = Compressed(wire) if group is None else Compressed(wire, group)
 
         def swap(m: SyncMode) -> SyncMode:
+            if isinstance(m, Partial):
+                return dataclasses.replace(m, wire=mode.wire, group=mode.group)
             return mode if isinstance(m, Full) else m
 
         blocks = [BlockSync(b.attn if b.attn.drops else swap(b.attn),
@@ -135,6 +144,12 @@ class SyncPlan:
     def dropped(self) -> list[int]:
         """Blocks whose attention sync point is removed (any drop variant)."""
         return [i for i, b in enumerate(self.blocks) if b.attn.drops]
+
+    @property
+    def is_dense(self) -> bool:
+        """True when every sync point is a ``full`` all-reduce (plan ``none``): the stock model, which stock
+        vLLM serves without the plugin."""
+        return all(b.is_dense for b in self.blocks)
 
     @property
     def has_partial(self) -> bool:
@@ -185,10 +200,15 @@ class SyncPlan:
         counted."""
         return sum(1 for m in self.modes() if m.issues_collective)
 
-    def comm_units(self, hidden: int) -> float:
+    def comm_units(self, hidden: int, element_size: int | None = None) -> float:
         """Residual-stream communication of one forward in full-all-reduce units: the sum of the
-        payload fractions of :meth:`sync_points`."""
-        return float(sum(p.payload for p in self.sync_points(hidden)))
+        payload fractions of :meth:`sync_points`. With ``element_size`` (bytes of the model's dtype),
+        in bytes: each sync point's :meth:`SyncMode.wire_bytes` over a full ``(1, h)`` all-reduce's, so
+        a compressed point counts its encoded bytes (int8 in groups of 64 in an fp32 model: 66 / 256)."""
+        if element_size is None:
+            return float(sum(p.payload for p in self.sync_points(hidden)))
+        full = hidden * element_size
+        return float(sum(m.wire_bytes(1, hidden, element_size) / full for m in self.modes() if m.issues_collective))
 
     @property
     def ranks_diverge(self) -> bool:

@@ -7,7 +7,10 @@
 with the payload ``n = B * S * h * bytes_per_element`` in prefill (TTFT) and ``B * h *
 bytes_per_element`` per decode step. The counts come from the plan
 (:class:`~syncdrop.plan.SyncPlan`): ``n_ar`` = ``collectives_per_forward``, ``u`` = ``comm_units(h)``
-(default ``u = n_ar``: no partial sync). Each block all-reduces after attention and after the MLP and
+(default ``u = n_ar``: no partial sync). ``comm_units(h, dtype_bytes)`` counts bytes, so a compressed
+sync point (:class:`~syncdrop.plan.Compressed`) weighs its encoded bytes (values and scales) over the
+dtype's; its encode and decode compute is not modelled (the bench's sync clock measures it).
+Each block all-reduces after attention and after the MLP and
 an SPD block drops the first, so an SPD fraction ``f`` of ``L`` blocks has ``n_ar = 2 L - round(f L)``.
 """
 
