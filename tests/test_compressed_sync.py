@@ -193,3 +193,36 @@ def test_partial_sync_with_a_compressed_wire() -> None:
     assert torch.equal(out[..., :64], shared.expand(3, -1, -1)) and torch.equal(out[..., 64:], plain[..., 64:])
     with pytest.raises(SyncdropError, match="does not divide the 48 shared channels"):
         parse_plan("partial:0.5+int8:g32", 2).check(96)
+
+
+def test_ideal_saving_of_a_compressed_point_is_its_share_of_bytes() -> None:
+    """The bench's ideal saving per baseline sync point: all of a dropped one, the unsent share of bytes
+    of a compressed one (fp32 model: int8 in groups of 64 sends 66 of 256 bytes per 64 values)."""
+    from syncdrop.bench.sync_timer import saving_weights
+
+    base, plan = parse_plan("none", 2), parse_plan("blocks:1+int8", 2)
+    w = saving_weights(base, plan, 576, element_size=4)
+    assert w == pytest.approx([1 - 66 / 256, 1 - 66 / 256, 1.0, 1 - 66 / 256])
+    assert saving_weights(base, plan, 576) == [0.0, 0.0, 1.0, 0.0]  # payload fractions: channels only
+
+
+def test_bench_runs_compressed_plans(tiny_llama_dir, tmp_path) -> None:
+    """syncdrop bench --launch over gloo with compressed plans on an emulated link: every plan timed, and
+    each compressed plan's ideal saving is positive and below the dense plan's whole sync time."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "syncdrop", "bench", "--launch", "--model", str(tiny_llama_dir),
+                        "--tp", "2", "--plans", "none,int8:g16,all+int4:g16", "--prompt-len", "16",
+                        "--decode-tokens", "2", "--reps", "2", "--warmup", "0", "--link-bandwidth", "10MB/s",
+                        "--link-latency", "20us", "--json", str(out), "-q"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    rows = {p["plan"]: p for p in res["plans"]}
+    assert set(rows) == {"none", "int8:g16", "all+int4:g16"}
+    dense_sync_ms = max(sum(rep) for rep in res["sync_points"]["prefill_samples_ms"])  # per rep: all sync points
+    for spec in ("int8:g16", "all+int4:g16"):
+        assert 0 < rows[spec]["ideal_saving_ms"] < dense_sync_ms

@@ -150,7 +150,8 @@ def latency_bench(
             use_link(link)
         sweeps[label] = _allreduce_sweep(model, B, S)
     comm = model.comm  # after use_link: the communicator every plan's model shares
-    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
+    elem = model.embed.element_size()
+    units = {spec: plan.comm_units(hidden, elem) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     points = base_plan.sync_points(hidden)
     samples = {label: {spec: {"ttft": [], "decode": []} for spec, _ in plans} for label, _ in conds}
@@ -191,20 +192,22 @@ def latency_bench(
                     break
 
     out = {label: summarize(plans, samples[label], sync_prefill[label], sync_decode[label], gather_prefill[label],
-                            hidden, *sweeps[label], converged, target_rel_ci)
+                            hidden, *sweeps[label], converged, target_rel_ci, element_size=elem)
            for label, _ in conds}
     return out if links is not None else out[None]
 
 
 def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, list[float]]],
               sync_prefill: list[list[float]], sync_decode: list[list[float]], gather_prefill: list[float],
-              hidden: int, ar: dict, sizes: list[dict], converged: bool, target_rel_ci: float) -> dict:
+              hidden: int, ar: dict, sizes: list[dict], converged: bool, target_rel_ci: float,
+              element_size: int | None = None) -> dict:
     """The result sections of a latency benchmark from its raw samples, whatever engine measured them
     (syncdrop's runtime here, vLLM in :mod:`syncdrop.serve.vllm_bench`): ``samples[spec]`` holds the
     interleaved reps' TTFT and mean decode-step seconds; ``sync_prefill`` / ``sync_decode`` the
     baseline plan's per-sync-point seconds per rep (slowest rank), in the order of
-    :meth:`SyncPlan.sync_points`; ``ar`` / ``sizes`` the isolated all-reduce timings."""
-    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
+    :meth:`SyncPlan.sync_points`; ``ar`` / ``sizes`` the isolated all-reduce timings. ``element_size``:
+    the bytes of the model's dtype, so that compressed sync points count their encoded bytes."""
+    units = {spec: plan.comm_units(hidden, element_size) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     points = base_plan.sync_points(hidden)
     n = len(sync_prefill)
@@ -212,7 +215,7 @@ def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, li
     rows = []
     for spec, plan in plans:
         s = samples[spec]
-        w = saving_weights(base_plan, plan, hidden)
+        w = saving_weights(base_plan, plan, hidden, element_size)
         ideal_r = [sum(wj * tj for wj, tj in zip(w, t, strict=True)) for t in sync_prefill]  # per rep, s
         ideal_dec_r = [sum(wj * tj for wj, tj in zip(w, t, strict=True)) for t in sync_decode]
         n_drop = units[base_spec] - units[spec]

@@ -63,10 +63,16 @@ def slowest_rank(comm: Communicator, times: list[float], device: torch.device) -
     return comm.max_over_ranks(t).tolist()
 
 
-def saving_weights(baseline: SyncPlan, plan: SyncPlan, hidden: int) -> list[float]:
+def saving_weights(baseline: SyncPlan, plan: SyncPlan, hidden: int, element_size: int | None = None) -> list[float]:
     """Per sync point of ``baseline`` (its :meth:`~syncdrop.plan.SyncPlan.sync_points` order), the share
-    of its time that ``plan`` saves: ``1 - payload_plan / payload_baseline``, clipped to [0, 1] (a point
-    ``plan`` does not issue has payload 0)."""
-    kept = {(p.block, p.where): p.payload for p in plan.sync_points(hidden)}
-    return [min(1.0, max(0.0, 1.0 - kept.get((p.block, p.where), 0.0) / p.payload))
-            for p in baseline.sync_points(hidden)]
+    of its time that ``plan`` saves at most: ``1 - payload_plan / payload_baseline``, clipped to [0, 1] (a
+    point ``plan`` does not issue has payload 0). With ``element_size`` the payloads are bytes
+    (:meth:`~syncdrop.plan.SyncPlan.point_bytes`), so a compressed point saves the share of bytes it does
+    not send: an upper bound, since the link's per-step latency and the encoding do not shrink."""
+    if element_size is None:
+        kept = {(p.block, p.where): p.payload for p in plan.sync_points(hidden)}
+        base = {(p.block, p.where): p.payload for p in baseline.sync_points(hidden)}
+    else:
+        kept, base = plan.point_bytes(hidden, element_size), baseline.point_bytes(hidden, element_size)
+    return [min(1.0, max(0.0, 1.0 - kept.get(key, 0.0) / base[key])) for key in
+            ((p.block, p.where) for p in baseline.sync_points(hidden))]

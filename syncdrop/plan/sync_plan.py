@@ -187,6 +187,13 @@ class SyncPlan:
                     out.append(SyncPoint(i, where, f))
         return out
 
+    def point_bytes(self, hidden: int, element_size: int) -> dict[tuple[int, str], int]:
+        """``(block, "attn" | "mlp")`` -> bytes one rank hands that sync point per token
+        (:meth:`SyncMode.wire_bytes`), for the points of :meth:`sync_points`."""
+        modes = {(i, where): m for i, b in enumerate(self.blocks) for where, m in b.modes()}
+        return {(p.block, p.where): modes[p.block, p.where].wire_bytes(1, hidden, element_size)
+                for p in self.sync_points(hidden)}
+
     def wire_bytes(self, tokens: int, hidden: int, element_size: int) -> int:
         """Bytes each rank hands to the all-reduces of one forward over ``tokens`` tokens."""
         return sum(m.wire_bytes(tokens, hidden, element_size) for m in self.modes())
