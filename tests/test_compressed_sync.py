@@ -118,6 +118,24 @@ def test_link_charges_the_encoded_bytes() -> None:
     assert comm.waited_s / full.waited_s == pytest.approx(660 / 1152)
 
 
+def test_vllm_link_charges_a_compressed_point_its_encoded_bytes(monkeypatch) -> None:
+    """Inside vLLM, the emulated link's wait after a collective is the ring time of the bytes it is told
+    (the compressed op passes its encoded, padded partial), else of the input tensor's own bytes."""
+    from syncdrop.bench.ring import ring_all_reduce_s
+    from syncdrop.serve import vllm_link
+
+    waits: list[float] = []
+    monkeypatch.setattr(vllm_link, "wait", lambda s, spin: waits.append(s))
+    monkeypatch.setattr(vllm_link, "_link", (50e-6, 1e8))
+    x = torch.randn(7, 576)
+    wire = WireFormat("int4", 32)
+    vllm_link.end("all_reduce", x, 3, vllm_link.begin(x), nbytes=wire.two_step_bytes(x.numel(), 3))
+    vllm_link.end("all_reduce", x, 3, vllm_link.begin(x))
+    assert waits == [ring_all_reduce_s(wire.two_step_bytes(7 * 576, 3), 3, 50e-6, 1e8),
+                     ring_all_reduce_s(7 * 576 * 4, 3, 50e-6, 1e8)]
+    assert wire.two_step_bytes(7 * 576, 3) == 126 * 18  # 126 groups of 32 (42 per rank), 16 + 2 bytes each
+
+
 def test_plan_forms_and_facts() -> None:
     p = parse_plan("frac:0.5+int4:g32", 4)
     assert p.dropped == [2, 3]

@@ -280,8 +280,9 @@ def _close_files(a: Path, b: Path) -> None:
 
 
 def case_simulated_forward_and_logits(tiny_llama_dir) -> None:
-    """TPModel at TP=3 on the device: hidden states and logits under plans none, drop-all and partial with
-    a random mask (vocab-parallel head, the random channel draw) equal the CPU's, bit for bit."""
+    """TPModel at TP=3 on the device: hidden states and logits under plans none, drop-all, partial with
+    a random mask (vocab-parallel head, the random channel draw) and compressed sync points (int8 on every
+    point; SPD with an int4 sum: the two-step's codec, padding and exchanges) equal the CPU's, bit for bit."""
     from syncdrop.parallel.executor import simulated_model
     from syncdrop.plan import SyncPlan, parse_plan
 
@@ -289,7 +290,9 @@ def case_simulated_forward_and_logits(tiny_llama_dir) -> None:
     cfg = src.config
     L, V, h = cfg.num_layers, cfg.vocab_size, cfg.hidden_size
     ids = _ids(V, 2, 11)
-    for plan in (parse_plan("none", L), parse_plan("all", L), SyncPlan.partial(L, 0.5, mask="random")):
+    plans = (parse_plan("none", L), parse_plan("all", L), SyncPlan.partial(L, 0.5, mask="random"),
+             parse_plan("int8:g8", L), parse_plan("all+int4:g8", L))
+    for plan in plans:
         dev = simulated_model(cfg, src.reader, 3, plan, device=DEVICE)
         cpu = simulated_model(cfg, src.reader, 3, plan)
         hidden, ref = dev.hidden_states(ids), cpu.hidden_states(ids)  # one forward each: the random draws match

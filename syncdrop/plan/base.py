@@ -12,6 +12,8 @@ from syncdrop.errors import SyncdropError
 if TYPE_CHECKING:  # torch-free at import: the CLI parses plans before it loads torch
     import torch
 
+    from syncdrop.plan.wire import WireFormat
+
 ATTN, MLP = "attn", "mlp"
 
 
@@ -73,6 +75,12 @@ class SyncMode:
     def diverges(self) -> bool:
         """True when ranks' residual streams may differ after this point."""
         return False
+
+    @property
+    def codec(self) -> WireFormat | None:
+        """The wire format this sync point's collective carries (:mod:`syncdrop.plan.wire`), or None: the
+        values travel in the model's dtype (a plain all-reduce, or no collective at all)."""
+        return None
 
     @property
     def private_channels(self) -> bool:

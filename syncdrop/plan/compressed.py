@@ -48,9 +48,6 @@ class Compressed(SyncMode):
     def check(self, hidden: int) -> None:
         self.codec.check(hidden)
 
-    def vllm_blocker(self) -> str | None:
-        return "compressed sync points run in syncdrop's executors; the vLLM plugin does not serve them"
-
     def to_json(self) -> Any:
         d: dict[str, Any] = {"wire": self.wire}
         if self.group != DEFAULT_GROUP:

@@ -20,7 +20,7 @@ def cmd_export(args: argparse.Namespace) -> int:
           + (f"; distilled blocks {res.distilled_blocks}" if res.distilled_blocks else "")
           + (f"; head grouping baked into blocks {res.permuted_blocks}" if res.permuted_blocks else ""))
     print(f"serve it: vllm serve {res.out} --tensor-parallel-size {res.tp}"
-          + ("  (the syncdrop vLLM plugin must be installed: pip install syncdrop)" if res.plan.dropped else ""))
+          + ("  (the syncdrop vLLM plugin must be installed: pip install syncdrop)" if not res.plan.is_dense else ""))
     return 0
 
 

@@ -7,7 +7,8 @@ What is written (``OUT/``, atomically: built in a hidden sibling and moved into 
                            syncdrop_plan    the plan (a SyncPlan dict)
                            syncdrop_tp      the TP degree N the export is laid out for
                            syncdrop_export  source model, dtype, distilled and head-grouped blocks, commit
-                         and, when the plan drops a sync point, ``architectures = ["Syncdrop<arch>"]``:
+                         and, when the plan is not dense (it drops or compresses a sync point),
+                         ``architectures = ["Syncdrop<arch>"]``:
                          the class the vLLM plugin registers (stock transformers reads ``model_type``
                          and loads the dense model; syncdrop reads the plan back)
     model.safetensors    every weight in the export dtype under transformers' names; a model larger than
@@ -254,7 +255,7 @@ def export_model(model_spec: str, tp: int, out: str | Path, plan_spec: str | Syn
     dtype_name = want or source_dtype(source)
     raw = _hf_config(source)
     arch = base_arch((raw.get("architectures") or [cfg.arch])[0])
-    served_arch = SERVED_ARCH_PREFIX + arch if plan.dropped else arch
+    served_arch = arch if plan.is_dense else SERVED_ARCH_PREFIX + arch
     distilled = sorted(src.spd.blocks) if src.spd is not None else []
     raw |= {"architectures": [served_arch], **dtype_keys(dtype_name), "syncdrop_plan": plan.to_dict(),
             "syncdrop_tp": tp,

@@ -71,13 +71,13 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
     if not plan_specs:
         raise SyncdropError("needs at least one plan", field="plans")
     plans = [(s, resolve_plan(s, L, tp=tp, serving=True, what="plans")) for s in plan_specs]
-    if stock and any(p.dropped for _, p in plans):
+    if stock and not all(p.is_dense for _, p in plans):
         raise SyncdropError("stock vLLM runs plan none only", field="plans")
     elem = parse_dtype(dtype).itemsize  # payload bytes follow the engine's dtype
     vllm_python()  # fail before exporting when there is no vLLM environment
     exported = export_model(model_spec, tp, workdir / ("export_none" if stock else "export_all"),
                             "none" if stock else SyncPlan.uniform(L, DROP), force=True, progress=False)
-    units = {spec: plan.comm_units(hidden) for spec, plan in plans}
+    units = {spec: plan.comm_units(hidden, elem) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     S = len(prompt)
     common = {"mode": "bench", "model": str(exported.out), "tp": tp, "dtype": dtype, "prompt": prompt,
@@ -106,7 +106,7 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
     ar = {what: next(z for z in sizes if z["tokens"] == tokens) for what, tokens in (("prefill", S), ("decode", 1))}
     converged = all(r["converged"] for r in timed.values())
     res = summarize(plans, samples, diag["sync_prefill"], diag["sync_decode"], diag["gather_prefill"], hidden, ar,
-                    sizes, converged, target_rel_ci)
+                    sizes, converged, target_rel_ci, element_size=elem)
     res["sync_points"]["embedding_prefill_ms"] = statistics.median(diag["embed_prefill"]) * 1e3
     first = timed[plans[0][0]]
     startup = {spec: r["startup_s"] for spec, r in timed.items()}

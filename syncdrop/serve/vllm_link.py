@@ -75,17 +75,29 @@ def _begin(t: torch.Tensor) -> float:
     return time.perf_counter()
 
 
-def _end(kind: str, t: torch.Tensor, n: int, t0: float) -> None:
-    """After a collective of ``t`` (this rank's input) over ``n`` ranks: the link's wait, then the clock."""
+def _end(kind: str, t: torch.Tensor, n: int, t0: float, nbytes: int | None = None) -> None:
+    """After a collective of ``t`` (this rank's input) over ``n`` ranks: the link's wait, then the clock.
+    ``nbytes``: what one rank's input weighs on the wire, when not ``t``'s own bytes (a compressed sync
+    point's encoded partial)."""
     if _link is None and _recording is None:
         return
     _synchronize(t)
     if _link is not None:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
         wait(ring_all_reduce_s(nbytes, n, *_link) if kind == "all_reduce"
              else ring_all_gather_s(nbytes * n, n, *_link), spin=ranks_have_own_cores(n))
     if _recording is not None:
         _recording.append((kind, time.perf_counter() - t0))
+
+
+def watched() -> bool:
+    """True when the wrapper is installed (a link is emulated or the clock may record): a collective the
+    wrapper does not route, syncdrop's compressed all-reduce (:mod:`syncdrop.serve.vllm_wire`), then
+    brackets itself with :func:`begin` and :func:`end`."""
+    return _installed
+
+
+begin, end = _begin, _end  # for collectives outside vLLM's GroupCoordinator (syncdrop.serve.vllm_wire)
 
 
 def _is_tp(group) -> bool:
