@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env bench-forward latency vllm-latency launch-stress fresh-clone \
-	gpu-check gpu-check-dry clean
+	gpu-check gpu-check-dry compressed-ppl wire-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,7 +40,7 @@ vllm-env: $(VLLM_STAMP)
 # runs/demo is results/demo_auto/ (its README.md records the wall time of that run).
 demo: $(STAMP)
 	$(BIN)/syncdrop auto --model smollm2 --tp 2 --link-bandwidth 100MB/s --link-latency 50us \
-		--max-ppl-increase 0.05 --out runs/demo
+		--max-ppl-increase 0.05 --e2e-samples 32 --out runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check syncdrop tests benchmarks experiments
@@ -71,6 +71,16 @@ vllm-latency: $(STAMP) $(VLLM_STAMP)
 		--out results/vllm_latency
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 100MB/s --link-latency 50us --out results/vllm_latency_tp2
+
+# Compressed sync points (docs/compression.md): perplexity of wire formats, SPD and both against dense, paired per
+# window (SmolLM2 TP=3, zero-shot; 16 windows for every configuration, all 304 for int8 and fp8), and one rank's
+# encode/decode time per sync point against the link time its bytes save
+compressed-ppl: $(STAMP)
+	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --out results/compressed_ppl/tp3
+	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 304 --configs int8,fp8 --out results/compressed_ppl/tp3_all304
+
+wire-codec: $(STAMP)
+	$(BIN)/python benchmarks/wire_codec.py --out results/wire_codec/cpu
 
 # Teardown stress: 36 short --launch jobs (generate, bench, ppl; tiny model and SmolLM2; TP=2 and 3),
 # counting the ones that did not exit 0 on every rank (target: 0)

@@ -271,6 +271,7 @@ def test_recovery_budget_chooses_methods_and_the_report_says_what_they_cost(tiny
     report = (out / "report.md").read_text()
     assert "Recovery within --recovery-budget 1h" in report and "SPD 1: " in report
     assert rec["e2e_windows"] == {"0.5": 1, "1": 1} and "end to end on 1 windows" in report
+    assert "fixed by `--e2e-samples 1`: the same command repeats this recovery" in report
 
     # the default, auto windows: an hour pays for every calibration window there is (the tiny text's windows
     # of 32 tokens, less the block stage's held-out one), and each candidate trains on all of them
@@ -279,6 +280,7 @@ def test_recovery_budget_chooses_methods_and_the_report_says_what_they_cost(tiny
     text = load_text("auto:valid", str(data)).text
     n = len(resolve_model(str(tiny_llama_dir)).load_tokenizer()(text, add_special_tokens=False)["input_ids"]) // 32 - 1
     assert rec["e2e_windows"] == {"0.5": n, "1": n} and n > 8
+    assert f"pass `--e2e-samples {n}` (the windows this budget bought here)" in (out / "report.md").read_text()
     dist = json.loads((out / "distill.json").read_text())
     for key in ("0.5", "1"):
         assert json.loads((Path(dist["models"][key]) / "syncdrop.json").read_text())["distill"]["train_windows"][0] == n

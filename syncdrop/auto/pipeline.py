@@ -323,7 +323,8 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
             models[key] = str(e2e_dir)
     return {"models": models, "trained_blocks": sorted(int(k) for k in trained),
             "heldout": {k: [e["stats"]["heldout_loss_zs"], e["stats"]["heldout_loss"]] for k, e in trained.items()},
-            "recovery": {**rplan.to_dict(), "budget": s.recovery_budget, "probes": probes, "probe_s": probe_s,
+            "recovery": {**rplan.to_dict(), "budget": s.recovery_budget, "e2e_samples": s.e2e_samples,
+                         "probes": probes, "probe_s": probe_s,
                          "block_stage_measured_s": block_s, "e2e_measured_s": spent,
                          "total_measured_s": time.perf_counter() - t_start}}
 

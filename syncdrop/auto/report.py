@@ -91,6 +91,14 @@ def _recovery(dist: dict[str, Any], plans: dict[str, Any]) -> list[str]:
              f"Measured: block stage {r['block_stage_measured_s']:.0f} s (shared by all candidates), probes "
              f"{r['probe_s']:.0f} s, recovery in all {r['total_measured_s'] / 60:.1f} min."]
     lines += [f"- {n}" for n in r["notes"]]
+    counts = sorted(set(wins.values()))
+    if len(counts) == 1 and r.get("e2e_samples") is None:  # the budget chose the count: pin it to repeat the run
+        lines.append(f"- To repeat this recovery on another machine, pass `--e2e-samples {counts[0]}` (the windows this "
+                     "budget bought here); a time budget buys as many steps as the machine's speed allows, so the "
+                     "same command elsewhere trains on a different number of windows and may choose differently.")
+    elif counts:
+        lines.append(f"- End-to-end windows were fixed by `--e2e-samples {counts[0]}`: the same command repeats this "
+                     "recovery on any machine (step times only decide which candidates fit the budget).")
     return [*lines, ""]
 
 
