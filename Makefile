@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env bench-forward latency vllm-latency launch-stress fresh-clone \
-	gpu-check gpu-check-dry compressed-ppl wire-codec clean
+	gpu-check gpu-check-dry compressed-ppl compression-profile wire-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -78,6 +78,11 @@ vllm-latency: $(STAMP) $(VLLM_STAMP)
 compressed-ppl: $(STAMP)
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --out results/compressed_ppl/tp3
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 304 --configs int8,fp8 --out results/compressed_ppl/tp3_all304
+
+# every sync point's sensitivity to int8 and to int4 in groups of 32 (SmolLM2 TP=3, 8 WikiText-2 valid windows of 512)
+compression-profile: $(STAMP)
+	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int8 --out results/compression_profile/tp3_int8.json
+	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int4:g32 --out results/compression_profile/tp3_int4g32.json
 
 wire-codec: $(STAMP)
 	$(BIN)/python benchmarks/wire_codec.py --out results/wire_codec/cpu

@@ -204,3 +204,56 @@ def test_streamed_profile_equals_the_cached_one(tiny4_source, with_donor) -> Non
     cached, streamed = profiles
     assert streamed.baseline_ppl == cached.baseline_ppl and streamed.blocks == cached.blocks
     assert streamed.block_forwards_done == cached.block_forwards_done
+
+
+def test_compression_profile_equals_perplexity_from_scratch(tiny4_source) -> None:
+    """Every ppl of the compression profile (int4 in groups of 8, every sync point progressive and isolated)
+    equals perplexity() from the token ids under the plan compressing those points; the deltas telescope;
+    compressing every point is the plan ``int4:g8``."""
+    from syncdrop.compression.profile import compressing, profile_compression
+    from syncdrop.plan.wire import WireFormat
+
+    model = simulated_model(tiny4_source.config, _fragile_weights(tiny4_source, FRAGILE), 3)
+    windows = _sample(model, 3, 24, 5)
+    wire = WireFormat("int4", 8)
+    prof = profile_compression(model, windows, wire, batch_size=2, progress=False)
+
+    def ref(points) -> float:
+        model.plan = compressing(L4, frozenset(points), wire)
+        return perplexity(model, windows, batch_size=1, progress=False).ppl
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-5 * abs(b)
+
+    base = ref([])
+    assert close(prof.baseline_ppl, base) and model.plan.blocks[0].is_dense
+    assert [(p.block, p.point) for p in prof.points[:3]] == [(0, "attn"), (0, "mlp"), (1, "attn")]
+    for k, p in enumerate(prof.points):
+        p_prog, p_iso = ref(range(k, 2 * L4)), ref([k])
+        assert close(p.ppl_progressive, p_prog) and close(p.ppl_isolated, p_iso), k
+        assert abs(p.isolated - (p_iso - base)) <= 1e-5 * p_iso
+    assert sum(p.progressive for p in prof.points) == pytest.approx(prof.all_compressed_ppl - prof.baseline_ppl)
+    model.plan = parse_plan("int4:g8", L4)
+    assert close(prof.all_compressed_ppl, perplexity(model, windows, progress=False).ppl)
+    assert prof.all_compressed_ppl != prof.baseline_ppl  # int4 in groups of 8 moves it
+    assert prof.block_forwards == 3 * (L4 + 2 * L4 * (L4 + 1) - 1) == 3 * 43  # 4L - 1 evaluations, from their block
+
+
+def test_compression_profile_cli(tiny_llama_dir, tmp_path, capsys) -> None:
+    """`syncdrop profile --wire int8:g8` writes one entry per sync point; a bad format or a group size that
+    does not divide the hidden size is refused before anything is written."""
+    calib = _calib_file(tmp_path)
+    out = tmp_path / "wire.json"
+    base = ["profile", "--model", str(tiny_llama_dir), "--tp", "2", "--calib", str(calib), "--samples", "2",
+            "--seq-len", "16", "--out", str(out), "-q"]
+    assert _run([*base, "--wire", "int8:g8"]) == 0
+    d = json.loads(out.read_text())
+    assert d["kind"] == "compression" and d["wire"] == "int8:g8" and d["num_blocks"] == 2
+    assert [(p["block"], p["point"]) for p in d["points"]] == [(0, "attn"), (0, "mlp"), (1, "attn"), (1, "mlp")]
+    assert "every point compressed" in capsys.readouterr().out
+    out.unlink()
+    with pytest.raises(SyncdropError, match="--wire 'int3': wire format must be one of"):
+        _run([*base, "--wire", "int3"])
+    with pytest.raises(SyncdropError, match="wire group size 32 does not divide the hidden size 48"):
+        _run([*base, "--wire", "int4:g32"])
+    assert not out.exists()

@@ -93,8 +93,8 @@ def _recovery(dist: dict[str, Any], plans: dict[str, Any]) -> list[str]:
     lines += [f"- {n}" for n in r["notes"]]
     counts = sorted(set(wins.values()))
     if len(counts) == 1 and r.get("e2e_samples") is None:  # the budget chose the count: pin it to repeat the run
-        lines.append(f"- To repeat this recovery on another machine, pass `--e2e-samples {counts[0]}` (the windows this "
-                     "budget bought here); a time budget buys as many steps as the machine's speed allows, so the "
+        lines.append(f"- To repeat this recovery on another machine, pass `--e2e-samples {counts[0]}` (the windows "
+                     "this budget bought here); a time budget buys as many steps as the machine's speed allows, so the "
                      "same command elsewhere trains on a different number of windows and may choose differently.")
     elif counts:
         lines.append(f"- End-to-end windows were fixed by `--e2e-samples {counts[0]}`: the same command repeats this "

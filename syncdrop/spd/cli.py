@@ -49,6 +49,10 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="hold one block's weights at a time: every evaluation goes through a block before the "
                         "next is read (each block read once; activations: up to 2L streams of the windows; the "
                         "same profile, bit for bit)")
+    p.add_argument("--wire", default=None,
+                   help="profile sensitivity to compression instead of SPD: every sync point (attention and MLP "
+                        "of each block) in wire format WIRE (int8, int4:g32, fp8, bf16; docs/compression.md), "
+                        "progressive from the last point and isolated")
     add_device_args(p, backend=False)
     p.add_argument("--out", required=True, help="profile JSON to write (e.g. profile.json)")
     p.add_argument("--png", default=None, help="bar chart of the sensitivities (default: --out with .png)")
@@ -75,8 +79,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise SyncdropError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.batch_size < 1:
         raise SyncdropError(f"--batch-size must be at least 1, got {args.batch_size}")
+    wire = None
+    if args.wire is not None:
+        from syncdrop.plan.wire import parse_wire
+
+        wire = parse_wire(args.wire, "--wire")
+        if args.stream:
+            raise SyncdropError("--wire profiles hold every block's input: drop --stream")
     data = load_text(args.calib, args.data_dir)  # fail fast before loading the model
     built = runtime_from_args(args, executor="simulated").build(args.model, args.tp, "none", progress=not args.quiet)
+    if wire is not None:
+        return _compression_profile(args, built, data, wire)
     spd = built.source.spd
     donor = None
     if spd is not None:  # recovered sensitivity: the distilled blocks, built once, lent to the base model
@@ -106,6 +119,30 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for b in prof.blocks:
         print(f"{b.index:6d} {b.progressive:12.5f} {b.isolated:12.5f}")
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _compression_profile(args: argparse.Namespace, built, data, wire) -> int:
+    """``syncdrop profile --wire``: every sync point's sensitivity to ``wire`` (:mod:`syncdrop.compression.profile`)."""
+    from syncdrop.compression.profile import profile_compression
+    from syncdrop.eval.perplexity import text_windows
+    from syncdrop.io_utils import atomic_write_json
+
+    wire.check(built.source.config.hidden_size)
+    n = args.skip + args.samples
+    windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, n,
+                           f"--calib {args.calib} (for --skip {args.skip} --samples {args.samples})")[args.skip :]
+    prof = profile_compression(built.model, windows, wire, args.batch_size, progress=not args.quiet)
+    d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path, "skip": args.skip},
+                     model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size)
+    atomic_write_json(args.out, d)
+    print(f"{built.source.name} tp={args.tp} {data.name} ({prof.windows} windows of {prof.seq_len}), wire {wire}: "
+          f"baseline ppl {prof.baseline_ppl:.4f}, every point compressed {prof.all_compressed_ppl:.4f}; "
+          f"{prof.block_forwards} block forwards, {prof.elapsed_s:.1f}s")
+    print(" block  point  progressive     isolated")
+    for p in prof.points:
+        print(f"{p.block:6d}  {p.point:5s} {p.progressive:12.5f} {p.isolated:12.5f}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +159,6 @@ def profile_sensitivity(
     if donor is not None and (donor.cfg != model.cfg or donor.layout.tp != model.layout.tp
                               or donor.geo.ranks != model.geo.ranks):
         raise SyncdropError("the donor model of a recovered profile must have the model's config, TP degree and ranks")
-    from syncdrop.progress import progress_bar
 
     if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
         raise SyncdropError(f"calibration windows must be (W >= 1, S >= 2), got {tuple(windows.shape)}")
@@ -179,41 +178,56 @@ def profile_sensitivity(
             model.plan = saved_plan
         return _profile(nll, L, W, S, scored, done, cache_bytes, time.perf_counter() - t0, variant)
 
-    evals = _evaluations(L)
-    planned = W * (L + sum(L - start for start in evals.values()))
+    evals = {d: (SyncPlan.dropping(L, d, variant), start) for d, start in _evaluations(L).items()}
+    base, totals, done, cache_bytes = cached_nll(model, batches, evals, progress,
+                                                 enter=lambda d: _blocks_from(model, donor, d))
+    nll = {frozenset(): base, **totals}
+    return _profile(nll, L, W, S, scored, done, cache_bytes, time.perf_counter() - t0, variant)
+
+
+def cached_nll(model: TPModel, batches: list[torch.Tensor], evals: dict[Hashable, tuple[SyncPlan, int]],
+               progress: bool = True, desc: str = "profiling",
+               enter: Callable[[Hashable], AbstractContextManager] | None = None
+               ) -> tuple[float, dict[Hashable, float], int, int]:
+    """Summed token NLL of ``model`` on ``batches`` (each ``(B, S)``) under plan ``none`` and under each
+    evaluation ``key -> (plan, start)``, where ``plan`` runs every block before ``start`` as the dense model
+    does: those blocks are not rerun, the evaluation starts from the residual the dense pass recorded
+    entering block ``start`` (module docstring). ``enter(key)``: a context the evaluation runs in (a donor's
+    blocks). Returns (dense NLL, NLL per key, block forwards, cache bytes); the model's plan is restored."""
+    from syncdrop.progress import progress_bar
+
+    L = model.cfg.num_layers
+    W = sum(ids.shape[0] for ids in batches)
+    planned = W * (L + sum(L - start for _, start in evals.values()))
     done = 0
-    nll: dict[frozenset[int], float] = {}
+    nll: dict[Hashable, float] = {}
+    saved_plan = model.plan
     try:
-        with torch.inference_mode(), progress_bar(total=planned, desc="profiling", unit="block",
+        with torch.inference_mode(), progress_bar(total=planned, desc=desc, unit="block",
                                                   disable=not progress, leave=False) as bar:
             model.plan = SyncPlan.uniform(L)
             cache: list[list[torch.Tensor]] = []  # per batch: the residual entering each block
-            total = 0.0
+            base = 0.0
             for ids in batches:
                 rec: list[torch.Tensor] = []
-                B = ids.shape[0]
-                ref = _Recording(model, rec)
-                total += window_nll(ref, ids).sum().item()
+                base += window_nll(_Recording(model, rec), ids).sum().item()
                 cache.append(rec)
-                done += B * L
-                bar.update(B * L)
-            nll[frozenset()] = total
-            baseline = math.exp(total / scored)
-            bar.set_postfix(baseline=f"{baseline:.3f}")
-            for dropped, start in evals.items():
-                model.plan = SyncPlan.dropping(L, dropped, variant)
+                done += ids.shape[0] * L
+                bar.update(ids.shape[0] * L)
+            for key, (plan, start) in evals.items():
+                model.plan = plan
                 total = 0.0
-                with _blocks_from(model, donor, dropped):
+                with enter(key) if enter is not None else nullcontext():
                     for ids, rec in zip(batches, cache, strict=True):
                         total += window_nll(_StartedAt(model, rec[start], start), ids).sum().item()
                         done += ids.shape[0] * (L - start)
                         bar.update(ids.shape[0] * (L - start))
-                nll[dropped] = total
+                nll[key] = total
         cache_bytes = sum(t.numel() * t.element_size() for rec in cache for t in rec)
     finally:
         model.plan = saved_plan
     assert done == planned, (done, planned)
-    return _profile(nll, L, W, S, scored, done, cache_bytes, time.perf_counter() - t0, variant)
+    return base, nll, done, cache_bytes
 
 
 def _evaluations(L: int) -> dict[frozenset[int], int]:
