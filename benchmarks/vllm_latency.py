@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from syncdrop.bench.stats import median_ratio_ci
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 
 
@@ -115,6 +117,25 @@ def main() -> int:
                          + ("-" if rr is None else f"{rr:.2f}{_ci(r.get('realised_over_ideal_ci'), '{:.2f}')}") + " | "
                          + ("-" if ri is None else f"{ri:.2f}{_ci(r.get('realised_over_isolated_ideal_ci'), '{:.2f}')}")
                          + " |")
+    ref = next((p for p in plans.split(",") if p == "bf16"), None)
+    if ref:  # the target's reference: dense with bf16 on the wire
+        lines += ["", f"Against dense with bf16 on the wire (plan {ref}), TTFT and decode ratios of medians with 95% "
+                  "bootstrap intervals (paired over interleaved reps in syncdrop's runtime; resampled per engine in "
+                  "vLLM, whose plans ran in separate engines):", "",
+                  "| runtime | plan | TTFT / bf16-wire dense | decode / bf16-wire dense |", "|---|---|---:|---:|"]
+        for name, res in runs.items():
+            rows = {r["plan"]: r for r in res["plans"]}
+            if ref not in rows:
+                continue
+            paired = name == "syncdrop"
+            for r in res["plans"]:
+                cells = []
+                for what in ("ttft", "decode"):
+                    a, b = r[f"{what}_samples_ms"], rows[ref][f"{what}_samples_ms"]
+                    ratio = statistics.median(a) / statistics.median(b)
+                    r.setdefault("over_bf16_wire", {})[what] = [ratio, median_ratio_ci(a, b, paired)]
+                    cells.append(f"{ratio:.3f}{_ci(r['over_bf16_wire'][what][1], '{:.3f}')}")
+                lines.append(f"| {name} | {r['plan']} | {cells[0]} | {cells[1]} |")
     if "vllm" in runs and "stock" in runs:
         a, b = _row(runs["vllm"], first), _row(runs["stock"], "none")
         lines += ["", f"Plugin under plan {first} vs stock vLLM: TTFT {a['ttft_ms']:.1f} vs {b['ttft_ms']:.1f} ms "

@@ -69,3 +69,20 @@ def test_paired_ppl_ratio_is_the_perplexity_ratio_with_a_paired_interval() -> No
     assert lo < r < hi and lo > 1.0
     with pytest.raises(ValueError, match="same windows"):
         paired_ppl_ratio(base[:-1], base)
+
+
+def test_median_ratio_interval_paired_and_independent() -> None:
+    """A ratio of medians: paired draws cancel a shared per-rep drift (a tight interval around the true 0.5),
+    independent draws do not (a wider interval, still holding 0.5); both contain the point estimate."""
+    from syncdrop.bench.stats import median_ratio_ci
+
+    drift = [1.0 + 0.3 * ((7 * i) % 11) / 10 for i in range(15)]  # machine state shared by rep i
+    a = [50.0 * d for d in drift]
+    b = [100.0 * d for d in drift]
+    lo, hi = median_ratio_ci(a, b, paired=True)
+    assert lo == hi == 0.5
+    lo2, hi2 = median_ratio_ci(a, b, paired=False)
+    assert lo2 < 0.5 < hi2 and hi2 - lo2 > 0.05
+    assert median_ratio_ci(a[:1], b[:1], paired=False) is None
+    with pytest.raises(ValueError, match="same reps"):
+        median_ratio_ci(a, b[:3], paired=True)

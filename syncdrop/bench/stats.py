@@ -68,3 +68,32 @@ def paired_ppl_ratio(nll: Sequence[float], base: Sequence[float]) -> tuple[float
         return math.exp(sum(nll[i] - base[i] for i in idx) / len(idx))
 
     return stat(list(range(len(base)))), bootstrap_ci(stat, len(base))
+
+
+def median_ratio_ci(a: Sequence[float], b: Sequence[float], paired: bool, seed: int = 0) -> tuple[float, float] | None:
+    """Interval of ``median(a) / median(b)``: reps drawn together when ``paired`` (the same rep index for
+    both: interleaved samples), else each series resampled on its own (separate runs, e.g. one engine per
+    plan). With the independent draw the indices of ``a`` are drawn first, then ``b``'s, from one seeded
+    generator."""
+    if not paired:
+        rng = random.Random(seed)
+        values = []
+        for _ in range(N_BOOT):
+            ma = statistics.median(a[rng.randrange(len(a))] for _ in a)
+            mb = statistics.median(b[rng.randrange(len(b))] for _ in b)
+            if mb > 0:
+                values.append(ma / mb)
+        if len(a) < 2 or len(b) < 2 or len(values) < LEVEL * N_BOOT:
+            return None
+        values.sort()
+        return (values[int((1 - LEVEL) / 2 * (len(values) - 1))],
+                values[int(math.ceil((1 + LEVEL) / 2 * (len(values) - 1)))])
+    if len(a) != len(b):
+        raise ValueError(f"paired ratio needs the same reps, got {len(a)} and {len(b)}")
+
+    def stat(idx: list[int]) -> float | None:
+        mb = median_of(b, idx)
+        return median_of(a, idx) / mb if mb > 0 else None
+
+    return bootstrap_ci(stat, len(a), seed=seed)
+
