@@ -381,20 +381,22 @@ def model_plan(source, plan_spec: str | SyncPlan | None, tp: int | None = None, 
 
 def for_plan(source, plan: SyncPlan, warn: bool = True):
     """The model to run under ``plan``: ``source`` itself, except that the distilled blocks of a
-    ``syncdrop distill`` directory whose sync ``plan`` keeps fall back to the base model's weights
-    and layout. Distilled weights are trained for the SPD form of their block only; with the sync
-    kept, the base block is the exact one. (A directory is therefore also usable as a bank.)"""
+    ``syncdrop distill`` directory that ``plan`` runs in another form than they were trained for fall back
+    to the base model's weights and layout (:meth:`SPDCheckpoint.blocks_for`: an SPD block where the plan
+    keeps its attention sync, a block trained with compressed sync points where the plan's modes differ).
+    With plain sync points the base block is the exact one. (A directory is therefore also usable as a bank.)"""
     if source.spd is None:
         return source
-    kept = sorted(set(source.spd.blocks) - set(plan.dropped))
+    runs = source.spd.blocks_for(plan)
+    kept = sorted(set(source.spd.blocks) - set(runs))
     if not kept:
         return source
     from syncdrop.models.distilled import OverlayCheckpoint
 
     if warn:
-        log.warning("blocks %s of %s were distilled as SPD blocks; the plan keeps their sync, so they run with "
-                    "the base model's weights", kept, source.spec)
-    ckpt = dataclasses.replace(source.spd, blocks=source.spd.blocks_for(plan))
+        log.warning("blocks %s of %s were distilled for another form of their block than the plan runs (SPD, or "
+                    "other sync modes), so they run with the base model's weights", kept, source.spec)
+    ckpt = dataclasses.replace(source.spd, blocks=runs)
     return dataclasses.replace(source, reader=OverlayCheckpoint(source.reader.base, ckpt), spd=ckpt)
 
 

@@ -79,9 +79,16 @@ class SPDCheckpoint:
     data: dict[str, Any]
 
     def blocks_for(self, plan: SyncPlan) -> dict[int, dict[str, Any]]:
-        """The distilled blocks that ``plan`` drops; the others would run with their sync, where the
-        base model's block is the exact one (distilled weights are trained for the SPD form only)."""
-        return {i: e for i, e in sorted(self.blocks.items()) if i in plan.dropped}
+        """The distilled blocks that run under ``plan``: a block trained as an SPD block (this checkpoint's plan
+        drops its attention sync) wherever ``plan`` drops it too, whatever its MLP point carries; a block
+        trained under other sync modes (compressed sync points) where ``plan`` gives it the same modes. Any
+        other block runs with the base model's weights, the exact block for a plain sync point (distilled
+        weights are trained for one form of their block)."""
+        def runs(i: int) -> bool:
+            trained, want = self.plan.blocks[i], plan.blocks[i]
+            return want.attn.drops if trained.attn.drops else (want == trained and not want.is_dense)
+
+        return {i: e for i, e in sorted(self.blocks.items()) if runs(i)}
 
 
 def _bad(path: str, what: str) -> SyncdropError:

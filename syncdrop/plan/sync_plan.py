@@ -146,6 +146,12 @@ class SyncPlan:
         return [i for i, b in enumerate(self.blocks) if b.attn.drops]
 
     @property
+    def changed(self) -> list[int]:
+        """Blocks that are not the stock block (a sync point dropped, compressed or partial): the blocks whose
+        weights recovery training adapts to the plan."""
+        return [i for i, b in enumerate(self.blocks) if not b.is_dense]
+
+    @property
     def is_dense(self) -> bool:
         """True when every sync point is a ``full`` all-reduce (plan ``none``): the stock model, which stock
         vLLM serves without the plugin."""

@@ -19,7 +19,7 @@ from syncdrop.errors import SyncdropError
 from syncdrop.plan import SyncPlan
 
 # --method of `syncdrop distill`: the block stage, then optionally end-to-end KL distillation
-METHODS = ("b2b", "sequential", "b2b+e2e", "sequential+e2e")
+METHODS = ("b2b", "sequential", "b2b+e2e", "sequential+e2e", "e2e")
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``profile`` on ``subparsers`` (from ``add_subparsers``)."""
@@ -236,7 +236,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", default="b2b", choices=METHODS,
                    help="b2b (default): each block on the original model's residual (the paper's); sequential: each "
                         "block on the residual of the model converted so far; +e2e: then every dropped block end to "
-                        "end, KL to the original model's next-token distribution (block stage in OUT/blockwise)")
+                        "end, KL to the original model's next-token distribution (block stage in OUT/blockwise); e2e: "
+                        "end to end only, from --model as it is, every block the plan changes (dropped or "
+                        "compressed sync points: the way to recover a low-bit wire, docs/compression.md)")
     p.add_argument("--e2e-epochs", type=int, default=1, help="+e2e: passes over the training windows (default 1)")
     p.add_argument("--e2e-lr", type=float, default=3e-5,
                    help="+e2e: AdamW learning rate (default 3e-5, the best of 1e-5/3e-5/1e-4 in docs/spd.md)")
@@ -253,6 +255,43 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _e2e_settings(args: argparse.Namespace):
+    from syncdrop.spd.e2e import E2ESettings
+
+    return E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter, args.lora_rank, 2.0 * args.lora_rank,
+                       args.weight_decay, args.seed)
+
+
+def _print_e2e(args: argparse.Namespace, manifest: dict) -> None:
+    st = manifest["distill"]["e2e"]
+    print(f"end to end ({args.e2e_adapter}): held-out KL to the original model {st['heldout_kl_start']:.5g} -> "
+          f"{st['heldout_kl']:.5g} (epoch {st['selected_epoch']} kept, {st['seconds']:.0f} s)")
+
+
+def _distill_e2e(args: argparse.Namespace, source, plan, data) -> int:
+    """``--method e2e``: end-to-end distillation of every block ``plan`` changes (dropped or compressed sync
+    points), starting from ``--model`` itself (no block stage)."""
+    from syncdrop.cli_args import runtime_from_args
+    from syncdrop.eval.perplexity import text_windows
+    from syncdrop.spd.e2e import e2e_distill
+
+    if plan.has_partial or not plan.changed:
+        raise SyncdropError(f"--plan {args.plan}: end-to-end distillation needs a plan that drops or compresses "
+                            "sync points (no partial sync)")
+    settings = _e2e_settings(args)
+    settings.check()
+    windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
+                           f"--calib {args.calib} (for --samples {args.samples} + --heldout {args.heldout})")
+    rt = runtime_from_args(args, executor="simulated")
+    calib = {"dataset": data.name, "path": data.path, "seq_len": args.seq_len}
+    m = e2e_distill(args.model, args.tp, plan, windows[: args.samples], windows[args.samples :], args.out, settings,
+                    calib, progress=not args.quiet, device=rt.device, dtype=rt.dtype)
+    print(f"{source.name} tp={args.tp}: {plan.summary()}; trained blocks {m['distill']['trained_blocks']} end to end")
+    _print_e2e(args, m)
+    print(f"wrote {args.out} (use it as --model with its plan, e.g. syncdrop ppl --model {args.out} --tp {args.tp})")
+    return 0
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from syncdrop.cli_args import runtime_from_args
     from syncdrop.eval.data import load_text
@@ -261,7 +300,6 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from syncdrop.parallel.sharding import check_tp
     from syncdrop.plan import DROP, resolve_plan
     from syncdrop.spd.distill import DistillSettings, default_lr, distill
-    from syncdrop.spd.e2e import E2ESettings
     from syncdrop.spd.planning import tiers as plan_tiers
 
     if args.tp < 2:
@@ -274,9 +312,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     data = load_text(args.calib, args.data_dir)
     source = resolve_model(args.model)
     check_tp(source.config, args.tp)
-    plan = resolve_plan(args.plan, source.config.num_layers, tp=args.tp)
+    plan = resolve_plan(args.plan, source.config.num_layers, tp=args.tp, hidden=source.config.hidden_size)
+    if args.method == "e2e":  # end to end only, from the model as it is: any plan that changes a block
+        return _distill_e2e(args, source, plan, data)
     if not plan.dropped:
-        raise SyncdropError(f"--plan {args.plan} drops no block: nothing to distil")
+        raise SyncdropError(f"--plan {args.plan} drops no block: nothing to distil block by block (--method e2e "
+                            "trains a plan's compressed sync points end to end)")
     if plan.has_partial or any(b.attn.drops and b.attn != DROP for b in plan.blocks):
         raise SyncdropError("--plan: distillation trains the SPD block (attn: drop, mlp: full); the plan uses an "
                             "ablation variant or partial sync")
@@ -287,8 +328,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
                                args.batch_size, args.weight_decay, args.seed, args.hg_unit, args.hg_mlp,
                                args.hg_samples, keep_best=not args.last_epoch, method=block_method)
     settings.check()
-    e2e_settings = E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter, args.lora_rank, 2.0 * args.lora_rank,
-                               args.weight_decay, args.seed)
+    e2e_settings = _e2e_settings(args)
     if e2e:
         e2e_settings.check()
     windows = text_windows(source.load_tokenizer(), data.text, args.seq_len, args.samples + args.heldout,
@@ -311,8 +351,6 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
         m2 = e2e_distill(block_out, args.tp, plan, windows[: args.samples], windows[args.samples :], args.out,
                          e2e_settings, calib, progress=not args.quiet, device=device, dtype=rt.dtype)
-        st = m2["distill"]["e2e"]
-        print(f"end to end ({args.e2e_adapter}): held-out KL to the original model {st['heldout_kl_start']:.5g} -> "
-              f"{st['heldout_kl']:.5g} (epoch {st['selected_epoch']} kept, {st['seconds']:.0f} s)")
+        _print_e2e(args, m2)
     print(f"wrote {args.out} (use it as --model, e.g. syncdrop ppl --model {args.out} --tp {args.tp})")
     return 0

@@ -1,16 +1,20 @@
-"""End-to-end distillation: the SPD model's next-token distribution trained towards the original model's.
+"""End-to-end distillation: the next-token distribution of a model under a sync plan (dropped or compressed sync
+points) trained towards the original model's.
 
 Starting point ``start``: a ``syncdrop distill`` directory (block-wise B2B / sequential B2B, possibly
 head-grouped) or a plain model (zero-shot SPD blocks). Under ``plan``, the student is the simulated TP
-model with the plan's dropped blocks in SPD form; the teacher is the original dense model. Loss, per
+model under the plan (dropped blocks in SPD form, compressed sync points through the two-step low-bit
+all-reduce, whose gradient is the plain sum's: a straight-through estimator); the teacher is the original
+dense model. The plan's *changed* blocks (:attr:`SyncPlan.changed`: any block that is not the stock one)
+are trained. Loss, per
 calibration window ``(S)`` and averaged over its tokens::
 
     KL(p_teacher || p_student) = sum_v p_t(v) (log p_t(v) - log p_s(v))
 
 Trainable (``adapter``):
 
-* ``full``: every tensor of every dropped block (norms, q/k/v, o, gate/up, down, biases);
-* ``lora``: a low-rank update of each matrix of the dropped blocks, ``W = W0 + (alpha / r) B A`` with
+* ``full``: every tensor of every changed block (norms, q/k/v, o, gate/up, down, biases);
+* ``lora``: a low-rank update of each matrix of the changed blocks, ``W = W0 + (alpha / r) B A`` with
   ``A (r, in)`` drawn N(0, 1/in) and ``B (out, r)`` zero (the start is exactly ``W0``); merged into the
   weights when written, so the result is an ordinary distilled directory (the factors are kept beside,
   in ``lora_adapters.safetensors``).
@@ -24,7 +28,7 @@ KL is kept (epoch 0 = ``start`` itself).
 and in its header the step, the curves and the settings hash) is written atomically every
 ``ckpt_every`` steps and at each epoch end; a rerun with the same settings continues from it and ends
 with the same weights as an uninterrupted run. The output is a ``syncdrop distill`` directory: every
-dropped block gets a block file (tier ``e2e``), the manifest is written last, the state file removed.
+changed block gets a block file (tier ``e2e``), the manifest is written last, the state file removed.
 """
 
 from __future__ import annotations
@@ -87,8 +91,8 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
 
 
 class Student:
-    """The trainable SPD model: frozen base tensors, trainable tensors (or LoRA factors) of the dropped
-    blocks, and the forward that re-shards them on every call."""
+    """The trainable model under the plan: frozen base tensors, trainable tensors (or LoRA factors) of the
+    changed blocks, and the forward that re-shards them on every call."""
 
     def __init__(self, base: dict[str, torch.Tensor], trainable: list[str], s: E2ESettings, cfg, tp: int,
                  plan: SyncPlan, layouts: dict[int, ShardLayout], device: torch.device,
@@ -173,7 +177,8 @@ def _load_state(path: Path, params: dict, opt: torch.optim.Optimizer, best: dict
 
 def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings, device: torch.device,
                      dtype: torch.dtype = torch.float32):
-    """``(source, source for plan, Student, teacher TPModel)`` for training ``plan``'s dropped blocks of ``start``."""
+    """``(source, source for plan, Student, teacher TPModel)`` for training ``plan``'s changed blocks (dropped or
+    compressed sync points) of ``start``."""
     from syncdrop.models.config import model_names
     from syncdrop.models.loading import resolve_model
     from syncdrop.runtime import check_checkpoint_tp, for_plan
@@ -182,14 +187,14 @@ def _student_teacher(start: str, tp: int, plan: SyncPlan, settings: E2ESettings,
     cfg = source.config
     check_checkpoint_tp(source, tp)
     plan = resolve_plan(plan, cfg.num_layers, tp=tp)
-    if not plan.dropped or plan.has_partial:
-        raise SyncdropError("end-to-end distillation needs a plan that drops sync points (no partial sync)",
-                            field="plan")
+    if not plan.changed or plan.has_partial:
+        raise SyncdropError("end-to-end distillation needs a plan that drops or compresses sync points (no partial "
+                            "sync)", field="plan")
     src = for_plan(source, plan, warn=False)
     layouts = distilled_layouts(src.spd, cfg) if src.spd is not None else {}
     base_reader = src.reader.base if src.spd is not None else src.reader
     tensors = {n: src.reader.get(n).to(torch.float32).to(device) for n in model_names(cfg)}
-    trainable = [n for i in plan.dropped for n in layer_names(i, cfg)]
+    trainable = [n for i in plan.changed for n in layer_names(i, cfg)]
     student = Student(tensors, trainable, settings, cfg, tp, plan, layouts, device, dtype)
     return source, src, student, simulated_model(cfg, base_reader, tp, dtype=dtype, device=device)
 
@@ -207,7 +212,7 @@ def _step(student: Student, teacher: TPModel, opt: torch.optim.Optimizer, ids: t
 
 def probe_step_s(start: str, tp: int, plan: SyncPlan, window: torch.Tensor, settings: E2ESettings | None = None,
                  device: torch.device | str = "cpu", steps: int = 2, dtype: torch.dtype = torch.float32) -> float:
-    """Seconds per end-to-end step (one window ``(1, S)``) of ``plan``'s dropped blocks, measured: ``steps``
+    """Seconds per end-to-end step (one window ``(1, S)``) of ``plan``'s changed blocks, measured: ``steps``
     steps after one untimed warm-up; nothing is written."""
     s = settings or E2ESettings()
     device = torch.device(device)
@@ -225,7 +230,7 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
                 out_dir: str | Path, settings: E2ESettings, calib: dict[str, Any], progress: bool = True,
                 device: torch.device | str = "cpu", stop_after: int | None = None,
                 dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Train ``plan``'s dropped blocks of ``start`` end to end (see the module docstring) and write the
+    """Train ``plan``'s changed blocks of ``start`` end to end (see the module docstring) and write the
     distilled directory ``out_dir``. ``dtype``: the forward's dtype (teacher and student); the trained
     weights are float32 master copies, and the block files hold them. ``stop_after``: return after that
     many optimizer steps of this call, leaving the state file (what an interruption leaves; tests use
@@ -304,7 +309,7 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
              "selected_epoch": meta["best_epoch"], "seconds": meta["seconds"], "adapter": settings.adapter}
     entries = {}
     start_blocks = src.spd.blocks if src.spd is not None else {}
-    for i in plan.dropped:
+    for i in plan.changed:
         prev = start_blocks.get(i, {})
         fname = block_file(i)
         bmeta = {"settings_sha": _sha({**common, "layer": i}), "layer": i, "tier": "e2e",
@@ -322,10 +327,10 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
                                                     metadata={"syncdrop": json.dumps({"alpha": settings.alpha,
                                                                                       "rank": settings.rank})}))
     saved = SyncPlan(list(plan.blocks), dict(plan.meta))
-    saved.meta["tiers"] = {str(i): "e2e" for i in plan.dropped}
+    saved.meta["tiers"] = {str(i): "e2e" for i in plan.changed}
     manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "base_model": base_model,
                 "model": source.name, "tp": tp, "plan": saved.to_dict(), "blocks": entries,
-                "distill": {**common, "method": "e2e", "trained_blocks": plan.dropped, "e2e": stats},
+                "distill": {**common, "method": "e2e", "trained_blocks": plan.changed, "e2e": stats},
                 "provenance": provenance()}
     atomic_write_json(out / MANIFEST, manifest)
     state_path.unlink(missing_ok=True)
