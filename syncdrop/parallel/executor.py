@@ -85,8 +85,10 @@ class TPModel:
         # a streaming model unmaps the checkpoint after each block: its pages would otherwise stay resident
         release = getattr(weights, "release", None) if resident_blocks is not None else None
 
-        def build(i: int) -> BlockWeights:
-            w = block_weights(src, cfg, host_geos[i], self.layouts[i], i, dtype).to(self.device)
+        layouts, target = self.layouts, self.device  # not ``self``: the store must not hold its model in a cycle
+
+        def build(i: int) -> BlockWeights:  # (a cycle frees the weights only at a garbage collection, late)
+            w = block_weights(src, cfg, host_geos[i], layouts[i], i, dtype).to(target)
             if release is not None:
                 release()
             return w
