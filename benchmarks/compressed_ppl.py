@@ -7,7 +7,12 @@ scored on the same WikiText-2 test windows as dense, in the simulated executor (
 perplexity / dense with a 95% paired percentile-bootstrap interval over windows
 (:func:`syncdrop.bench.stats.paired_ppl_ratio`).
 
-Per-window NLLs are cached under ``OUT_nll/`` keyed by plan and window, so a run can be stopped and
+``--model`` may be a ``syncdrop distill`` directory (e.g. end-to-end recovery through a compressed plan):
+each plan then runs the distilled blocks trained for its form and the base blocks elsewhere
+(:func:`syncdrop.runtime.for_plan`), so dense is the base model.
+
+Per-window NLLs are cached under ``OUT_nll/`` keyed by plan (and, for a distilled directory, the directory
+and the distilled blocks that run) and window, so a run can be stopped and
 resumed, or extended to more windows (``--windows 304`` is all of WikiText-2 test at 1024 tokens).
 Writes ``OUT.json`` (settings, provenance, per-window NLLs, ratios) and ``OUT.md``. Example::
 
@@ -53,12 +58,19 @@ def config_plan(name: str, num_blocks: int, order: list[int]) -> SyncPlan:
     return plan
 
 
-def scores(model, plan: SyncPlan, windows: torch.Tensor, cache: Path, what: str) -> list[float]:
-    """Per-window mean NLL (nats per predicted token) of ``plan``, cached per window in ``cache``."""
-    key = hashlib.sha256(json.dumps(plan.to_dict()["blocks"]).encode()).hexdigest()[:16]
+def scores(built, plan: SyncPlan, windows: torch.Tensor, cache: Path, what: str) -> list[float]:
+    """Per-window mean NLL (nats per predicted token) of ``plan`` on ``built`` (a runtime's built model),
+    cached per window in ``cache``."""
+    from syncdrop.runtime import for_plan
+
+    ident = plan.to_dict()["blocks"]
+    src = for_plan(built.source, plan, warn=False)
+    if src.spd is not None and src.spd.blocks:  # distilled blocks run: the key names them
+        ident = {"plan": ident, "model": str(Path(built.source.spec).resolve()), "blocks": sorted(src.spd.blocks)}
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
     path = cache / f"{key}.json"
     done = json.loads(path.read_text())["nll"] if path.exists() else {}
-    model.plan = plan
+    model = built.use_plan(plan)
     L = windows.shape[1]
     out = []
     with torch.inference_mode():
@@ -67,7 +79,7 @@ def scores(model, plan: SyncPlan, windows: torch.Tensor, cache: Path, what: str)
             wkey = hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
             if wkey not in done:
                 done[wkey] = window_nll(model, w).item() / (L - 1)
-                atomic_write_json(path, {"plan": plan.to_dict()["blocks"], "nll": done})
+                atomic_write_json(path, {"plan": plan.to_dict()["blocks"], "ident": ident, "nll": done})
             out.append(done[wkey])
     return out
 
@@ -95,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         plan.check(source.config.hidden_size)
     ids = source.load_tokenizer()(load_text("wikitext2").text, add_special_tokens=False)["input_ids"]
     windows = make_windows(ids, args.seq_len, args.windows)
-    model = choose_runtime("simulated").build(args.model, args.tp, SyncPlan.uniform(L), progress=False).model
-    base = scores(model, SyncPlan.uniform(L), windows, cache, "dense")
+    built = choose_runtime("simulated").build(args.model, args.tp, SyncPlan.uniform(L), progress=False)
+    base = scores(built, SyncPlan.uniform(L), windows, cache, "dense")
     rows, nlls = [], {"dense": base}
     for name, plan in configs.items():
-        nll = scores(model, plan, windows, cache, name)
+        nll = scores(built, plan, windows, cache, name)
         nlls[name] = nll
         r, ci = paired_ppl_ratio(nll, base)
         rows.append({"config": name, "plan": plan.summary(), "ratio": r, "ratio_ci": list(ci) if ci else None,

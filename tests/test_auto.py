@@ -121,12 +121,58 @@ def test_nothing_within_budget_recommends_dense_and_says_so() -> None:
     assert re.search(r"no plan pays .*SPD 0.5: perplexity \+2.00% is over", c["reason"]), c["reason"]
 
 
+def test_choice_judges_accuracy_on_paired_intervals() -> None:
+    """Perplexity and zero-shot accuracy are judged on the upper end of paired 95% intervals against dense:
+    SPD 0.5's windows sit at +1% to +9% of dense's (mean +4.8%, within a 5% budget) and fail on the interval;
+    its compressed twin changes no window much and no answer, and qualifies; SPD 1, within budget on
+    perplexity, loses 3 of 8 documents and fails the 5-point zero-shot limit. The compressed candidate is
+    named with its wire format."""
+    import math
+
+    base = [2.0 + 0.1 * i for i in range(8)]
+    spread = [math.log(1.01 + 0.08 * i / 7) for i in range(8)]
+
+    def row(key: str, f: float, wire: str, shift: list[float]) -> dict:
+        nll = [b + d for b, d in zip(base, shift, strict=True)]
+        ppl = math.exp(sum(nll) / len(nll))
+        return {"key": key, "fraction": f, "wire": wire, "ppl_zero_shot": ppl, "ppl_distilled": ppl,
+                "window_nll_zero_shot": nll, "window_nll_distilled": nll}
+
+    ppl = {"dense_ppl": math.exp(sum(base) / 8),
+           "rows": [row("0", 0.0, "none", [0.0] * 8), row("0.5", 0.5, "none", spread),
+                    row("0.5+int8", 0.5, "int8", [0.001] * 8), row("1", 1.0, "none", [0.002] * 8)]}
+    plans = {"candidates": {k: {"fraction": f, "wire": w, "path": f"/r/plans/{candidate_name(f, w)}.json"}
+                            for k, f, w in (("0", 0.0, "none"), ("0.5", 0.5, "none"), ("0.5+int8", 0.5, "int8"),
+                                            ("1", 1.0, "none"))}}
+    bench = _bench(CLEAR)
+    bench["rows"] += [{**bench["rows"][1], "key": "0.5+int8", "wire": "int8", "measured_ms": 85.0,
+                       "predicted_ms": 86.0, "over_dense_ci": (0.8, 0.9)}]
+    docs = [1, 1, 0, 1, 1, 0, 1, 1]
+    zs = {"doc_acc": {"0": {"t": docs}, "0.5": {"t": docs}, "0.5+int8": {"t": docs},
+                      "1": {"t": [0, 0, 0, 0, 1, 0, 1, 1]}}}
+    c = _choose(AutoSettings(max_ppl_increase=0.05, max_acc_drop=5.0), plans, ppl, bench, zs=zs)
+    v = {x["key"]: x for x in c["candidates"]}
+    assert v["0.5"]["ppl_increase"] < 0.05 < v["0.5"]["ppl_increase_ci"][1]
+    assert "is over the +5.0% budget (95% interval" in v["0.5"]["verdict"], v["0.5"]["verdict"]
+    assert v["1"]["acc_drop"] == pytest.approx(37.5) and "may exceed the 5-point limit" in v["1"]["verdict"]
+    assert v["0.5+int8"]["verdict"] == "qualifies" and v["0.5+int8"]["acc_drop_ci"] == [0.0, 0.0]
+    assert c["chosen"]["key"] == "0.5+int8" and c["plan"].endswith("spd050_int8.json")
+    assert "within +5.0% perplexity and 5 points of zero-shot accuracy" in c["reason"], c["reason"]
+    # no limit on zero-shot accuracy: SPD 1 (fastest) qualifies
+    assert _choose(AutoSettings(max_ppl_increase=0.05, max_acc_drop=None), plans, ppl, bench,
+                   zs=zs)["chosen"]["key"] == "1"
+
+
 def test_auto_bad_input(capsys) -> None:
     """Bad --tp and --fractions exit 2 with a message naming the flag."""
     assert main(["auto", "--tp", "1", "--out", "/tmp/never"]) == 2
     assert "--tp must be at least 2" in capsys.readouterr().err
     assert main(["auto", "--fractions", "0,2", "--out", "/tmp/never"]) == 2
     assert "between 0 and 1" in capsys.readouterr().err
+    assert main(["auto", "--wire", "none,int3", "--out", "/tmp/never"]) == 2
+    assert "--wire 'int3': wire format must be one of" in capsys.readouterr().err
+    assert main(["auto", "--max-acc-drop", "lots", "--out", "/tmp/never"]) == 2
+    assert "--max-acc-drop 'lots': expected a number of points or none" in capsys.readouterr().err
 
 
 def test_candidate_names() -> None:
@@ -142,7 +188,7 @@ def test_candidate_names() -> None:
 # link). Real ranks run in the run_bench tests below and in the slow end-to-end test. Stage functions are
 # wrapped to count calls; the wrappers call the real stage.
 
-STAGES = ("_profile", "_plans", "_distill", "_ppl", "_bench", "_choose", "_zeroshot")
+STAGES = ("_profile", "_plans", "_distill", "_ppl", "_bench", "_zeroshot", "_choose")
 
 
 def _fake_bench(noemul: Path, emul: Path, calls: list):
@@ -186,12 +232,13 @@ def _auto_args(model: Path, out: Path, data: Path, *extra: str) -> list[str]:
     return ["auto", "--model", str(model), "--tp", "2", "--fractions", "0.5,1", "--calib-samples", "1",
             "--seq-len", "32", "--distill-samples", "1", "--distill-epochs", "1", "--eval-windows", "1",
             "--prompt-len", "8", "--decode-tokens", "1", "--reps", "1", "--data-dir", str(data), "-q",
-            "--out", str(out), *extra]
+            "--out", str(out), *(() if "--wire" in extra else ("--wire", "none")), *extra]
 
 
 def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_path, capsys, monkeypatch) -> None:
-    """A rerun recomputes nothing; a new budget reruns choice and zero-shot only; a new link reruns bench,
-    choice and zero-shot; more eval windows rerun ppl, choice and zero-shot. Also: the dense candidate is
+    """A rerun recomputes nothing; a new budget reruns the choice only; a new link reruns bench and choice;
+    more eval windows rerun ppl, zero-shot and choice. Compressed candidates (--wire int8:g16) are each SPD
+    fraction's plan with int8 on its kept sync points, benchmarked with the others. Also: the dense candidate is
     evaluated though --fractions left out 0, without lm-eval zero-shot is skipped with a note, and a run
     passes stage results in memory: it reads no stage file it wrote (only plan files, the bench files the
     cost model parses, and the profile figure the report embeds)."""
@@ -209,7 +256,7 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
 
     def run(*extra: str) -> dict[str, int]:
         counts.clear()
-        assert main(_auto_args(tiny_llama_dir, out, data, *link, *extra)) == 0
+        assert main(_auto_args(tiny_llama_dir, out, data, *link, "--wire", "none,int8:g16", *extra)) == 0
         return dict(counts)
 
     assert run() == {n: 1 for n in STAGES}
@@ -220,13 +267,22 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
     # one bench, the un-emulated link and the user's interleaved, every candidate plan
     assert len(calls) == 1 and [label for label, _ in calls[0].links] == ["none", "100MB/s+50us"]
     assert calls[0].links[1][1].to_dict() == {"bandwidth_Bps": 1e8, "latency_s": pytest.approx(5e-5), "formula": "ring"}
-    assert [Path(p).name for p in calls[0].plans] == ["spd000.json", "spd050.json", "spd100.json"]
+    names = [f"spd{n}{w}.json" for w in ("", "_int8g16") for n in ("000", "050", "100")]
+    assert [Path(p).name for p in calls[0].plans] == names
+    from syncdrop.plan import SyncPlan
+
+    plain, packed = (SyncPlan.load(out / "plans" / f"spd050{w}.json") for w in ("", "_int8g16"))
+    assert packed.dropped == plain.dropped and packed == plain.compressed("int8", 16)
     assert (calls[0].tp, calls[0].prompt_len, calls[0].reps, calls[0].max_reps) == (2, 8, 1, 30)
     assert {p.name for p in out.glob("bench_*.json")} == {"bench_noemul.json", "bench_link.json"}
     assert (out / "bench_link.md").is_file() and not list(out.glob("bench_none*"))
     ppl = json.loads((out / "ppl.json").read_text())
-    assert [r["fraction"] for r in ppl["rows"]] == [0.0, 0.5, 1.0]
+    assert [(r["fraction"], r["wire"]) for r in ppl["rows"]] == [
+        (f, w) for f in (0.0, 0.5, 1.0) for w in ("none", "int8:g16")]
     assert ppl["dense_ppl"] == ppl["rows"][0]["ppl_zero_shot"] > 0
+    assert all(len(r["window_nll_zero_shot"]) == len(r["window_nll_distilled"]) == 1 for r in ppl["rows"])
+    choice = json.loads((out / "choice.json").read_text())
+    assert {c["key"] for c in choice["candidates"]} == {"0", "0.5", "1", "0+int8:g16", "0.5+int8:g16", "1+int8:g16"}
     zs = json.loads((out / "zeroshot.json").read_text())
     assert "lm-eval is not installed" in zs["skipped"]
     assert "Zero-shot tasks skipped: lm-eval is not installed" in (out / "report.md").read_text()
@@ -234,13 +290,17 @@ def test_changed_input_reruns_only_later_stages(tiny_llama_dir, auto_env, tmp_pa
 
     assert run() == {}
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
-    assert run("--max-ppl-increase", "0.5") == {"_choose": 1, "_zeroshot": 1}
+    assert run("--max-ppl-increase", "0.5") == {"_choose": 1}
     for name in ("profile.json", "plans.json", "distill.json", "ppl.json", "bench.json"):
         assert (out / name).stat().st_mtime_ns == mtimes[name], name  # the cached files were not rewritten
     link[-1] = "100us"
-    assert run("--max-ppl-increase", "0.5") == {"_bench": 1, "_choose": 1, "_zeroshot": 1}
+    assert run("--max-ppl-increase", "0.5") == {"_bench": 1, "_choose": 1}
     assert calls[-1].links[1][0] == "100MB/s+100us"
     assert run("--max-ppl-increase", "0.5", "--eval-windows", "2") == {"_ppl": 1, "_choose": 1, "_zeroshot": 1}
+    assert run("--max-ppl-increase", "0.5", "--eval-windows", "2", "--max-acc-drop", "1") == {"_choose": 1}
+    # another wire format: new candidates, but the uncompressed ones' recovery is reused
+    assert run("--max-ppl-increase", "0.5", "--eval-windows", "2", "--max-acc-drop", "1", "--wire",
+               "none,int4:g16") == {"_plans": 1, "_ppl": 1, "_bench": 1, "_zeroshot": 1, "_choose": 1}
     assert json.loads((out / "ppl.json").read_text())["windows"] == 2
 
 
@@ -410,7 +470,7 @@ def test_auto_end_to_end_with_report(tiny_llama_dir, tmp_path, capsys) -> None:
     args = ["auto", "--model", str(tiny_llama_dir), "--tp", "2", "--link-bandwidth", "100MB/s", "--link-latency",
             "50us", "--fractions", "0,0.5,1", "--calib-samples", "1", "--seq-len", "64", "--distill-samples", "2",
             "--distill-epochs", "1", "--eval-windows", "2", "--zs-tasks", "arc_easy", "--zs-limit", "4",
-            "--prompt-len", "32", "--decode-tokens", "2", "--reps", "1", "--out", str(out)]
+            "--prompt-len", "32", "--decode-tokens", "2", "--reps", "1", "--wire", "none,int8:g16", "--out", str(out)]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert "report:" in first
@@ -425,6 +485,16 @@ def test_auto_end_to_end_with_report(tiny_llama_dir, tmp_path, capsys) -> None:
     assert again.count(": cached") == 7
     summary = json.loads((out / "summary.json").read_text())
     assert summary["chosen"]["fraction"] in (0.0, 0.5, 1.0)
+    # every candidate, compressed ones too, timed on real ranks and scored on the same documents as dense
+    keys = {f"{f:g}{w}" for f in (0.0, 0.5, 1.0) for w in ("", "+int8:g16")}
+    bench = json.loads((out / "bench.json").read_text())
+    assert {r["key"] for r in bench["rows"] if r["link"] == "user" and r["what"] == "ttft"} == keys
+    zs = json.loads((out / "zeroshot.json").read_text())
+    assert set(zs["doc_acc"]) == keys and all(len(d["arc_easy"]) == 4 for d in zs["doc_acc"].values())
+    choice = json.loads((out / "choice.json").read_text())
+    dense = next(c for c in choice["candidates"] if c["key"] == "0")
+    assert dense["acc_drop"] == 0 and dense["ppl_increase_ci"] == [0.0, 0.0]
+    assert "| 0.5 | int8:g16 |" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

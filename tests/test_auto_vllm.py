@@ -34,8 +34,8 @@ def test_auto_engine_vllm_exports_the_choice(tiny_vllm_dir, text_file, tmp_path,
     out = tmp_path / "auto"
     code = main(["auto", "--model", str(tiny_vllm_dir("llama")), "--tp", "2", "--engine", "vllm", "--spd", "1",
                  "--data-dir", str(data.parent),
-                 "--fractions", "0,1", "--link-bandwidth", "20MB/s", "--link-latency", "100us", "--reps", "3",
-                 "--max-reps", "3", "--prompt-len", "32", "--seq-len", "32", "--calib-samples", "1",
+                 "--fractions", "0,1", "--wire", "none", "--link-bandwidth", "20MB/s", "--link-latency", "100us",
+                 "--reps", "3", "--max-reps", "3", "--prompt-len", "32", "--seq-len", "32", "--calib-samples", "1",
                  "--distill-samples", "2", "--distill-epochs", "1", "--eval-windows", "1", "--zs-limit", "1",
                  "--out", str(out), "-q"])
     assert code == 0, capsys.readouterr().err

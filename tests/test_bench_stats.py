@@ -86,3 +86,23 @@ def test_median_ratio_interval_paired_and_independent() -> None:
     assert median_ratio_ci(a[:1], b[:1], paired=False) is None
     with pytest.raises(ValueError, match="same reps"):
         median_ratio_ci(a, b[:3], paired=True)
+
+
+def test_paired_accuracy_drop_against_a_hand_computation() -> None:
+    """Points of average accuracy lost, averaged over tasks (not documents): task a loses 1 of 4 documents
+    (25 points), task b gains 1 of 2 (-50): (25 - 50) / 2 = -12.5. Unchanged answers give the interval
+    (0, 0); the interval brackets the point and is the same on a second call (seeded)."""
+    from syncdrop.bench.stats import paired_accuracy_drop
+
+    base = {"a": [1, 1, 0, 1], "b": [0, 1]}
+    other = {"a": [1, 0, 0, 1], "b": [1, 1]}
+    point, ci = paired_accuracy_drop(base, other)
+    assert point == pytest.approx(-12.5) and ci is not None and ci[0] <= point <= ci[1]
+    assert ci == paired_accuracy_drop(base, other)[1] and ci[0] < ci[1]
+    assert paired_accuracy_drop(base, base) == (0.0, (0.0, 0.0))
+    # every document of both tasks lost: 100 points whatever the draw
+    assert paired_accuracy_drop({"a": [1, 1], "b": [1, 1]}, {"a": [0, 0], "b": [0, 0]}) == (100.0, (100.0, 100.0))
+    with pytest.raises(ValueError, match="same documents of a"):
+        paired_accuracy_drop({"a": [1, 1]}, {"a": [1]})
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_accuracy_drop({"a": [1, 1]}, {"b": [1, 1]})

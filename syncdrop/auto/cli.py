@@ -22,6 +22,14 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                    help="accuracy budget: relative perplexity increase (default 0.05 = 5%%)")
     g.add_argument("--spd", type=float, default=None, help="fixed SPD fraction instead of a budget")
     p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="candidate SPD fractions")
+    p.add_argument("--wire", default="none,int8",
+                   help="wire formats for the sync points each candidate keeps, comma-separated: none (full "
+                        "precision), int8, fp8, int4, bf16, with :gG for the group size, e.g. none,int8,int4:g32 "
+                        "(default none,int8); every SPD fraction is a candidate with each")
+    p.add_argument("--max-acc-drop", default="5",
+                   help="zero-shot limit: points of average accuracy over --zs-tasks a candidate may lose to dense, "
+                        "judged on the upper end of a paired 95%% interval over the same documents (default 5; "
+                        "none: not judged)")
     p.add_argument("--calib-samples", type=int, default=2, help="profiling windows (default 2)")
     p.add_argument("--seq-len", type=int, default=256, help="window length for profile/distil/ppl (default 256)")
     p.add_argument("--distill-samples", type=int, default=4)
@@ -42,7 +50,8 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tau2", default="1%", help="B2B tier bound (default 1%% of baseline ppl)")
     p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 test windows for perplexity")
     p.add_argument("--zs-tasks", default="arc_easy,piqa")
-    p.add_argument("--zs-limit", type=int, default=20)
+    p.add_argument("--zs-limit", type=int, default=20,
+                   help="documents per zero-shot task, the same for every candidate (default 20)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=4)
     p.add_argument("--reps", type=int, default=7,
@@ -88,17 +97,27 @@ def cmd_auto(args: argparse.Namespace) -> int:
             raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_reps < args.reps:
         raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
+    acc_limit = None
+    if str(args.max_acc_drop).strip().lower() != "none":
+        try:
+            acc_limit = float(args.max_acc_drop)
+        except ValueError:
+            raise SyncdropError(f"--max-acc-drop {args.max_acc_drop!r}: expected a number of points or none") from None
+    wires = tuple(w.strip() for w in args.wire.split(",") if w.strip())
+    if not wires:
+        raise SyncdropError(f"--wire {args.wire!r}: expected wire formats, e.g. none,int8")
     budget = args.max_ppl_increase if args.max_ppl_increase is not None else (None if args.spd is not None else 0.05)
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,
                      args.calib_samples, args.seq_len, args.distill_samples, args.distill_epochs, args.lr, args.tau1,
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
                      args.reps, args.data_dir, args.device, args.max_reps, args.engine,
                      recovery_budget=args.recovery_budget, e2e_samples=e2e_samples, e2e_epochs=args.e2e_epochs,
-                     e2e_lr=args.e2e_lr)
+                     e2e_lr=args.e2e_lr, wires=wires, max_acc_drop=acc_limit)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
     ttft = "" if c["measured_ttft_ms"] is None else f", measured TTFT {c['measured_ttft_ms']:.1f} ms"
-    print(f"chosen: SPD fraction {c['fraction']:g} ({c['variant']}), perplexity {c['ppl']:.3f} "
+    wire = "" if c.get("wire", "none") == "none" else f" with {c['wire']} on the wire"
+    print(f"chosen: SPD fraction {c['fraction']:g}{wire} ({c['variant']}), perplexity {c['ppl']:.3f} "
           f"({c['ppl_increase']:+.2%}){ttft}")
     print(f"reason: {res['reason']}")
     if res.get("served"):

@@ -1,11 +1,15 @@
 """``syncdrop auto``: profile -> plan -> distil -> evaluate -> benchmark -> choose -> report.
 
+A candidate is an SPD fraction with a wire format for the sync points it keeps (``none``, or a compressed
+format such as ``int8``: :mod:`syncdrop.auto.candidates`).
+
 Every stage runs in this process and hands its result to the later stages in memory. It also writes
 the result to ``DIR/<stage>.json`` (atomically) together with the SHA-256 of its inputs (settings and
 the digests of the results it used, :func:`_result_key`): that file is only read by a later run, which
 loads it instead of recomputing when the inputs are the same, so an interrupted run resumes at the
 first stage without a valid file (distillation also resumes inside the stage, block by block).
-Candidate SPD fraction ``F`` names its files ``spdNNN`` (:func:`candidate_name`).
+Candidate SPD fraction ``F`` names its files ``spdNNN``, ``spdNNN_int8`` with int8 on the wire
+(:func:`candidate_name`).
 
 Data (:mod:`syncdrop.eval.data`, resolved once at the start, and part of the stage inputs so that a
 run on other data recomputes): calibration (profile, distillation) on ``auto:valid``, perplexity on
@@ -17,14 +21,17 @@ Stages:
 
 1. ``profile``: per-block SPD sensitivity on calibration windows (:mod:`syncdrop.spd.profile`).
 2. ``plans``: one candidate plan per SPD fraction, 0 (dense) always among them (least sensitive blocks
-   first, tiers by tau).
+   first, tiers by tau), and with each wire format of ``--wire`` the same plan with its kept sync points
+   compressed.
 3. ``distill``: B2B / HG+B2B for the tiered blocks of the *largest* candidate (blocks are independent,
    so smaller candidates reuse the same blocks); every candidate becomes a ``--model`` directory
-   ``DIR/models/spdNNN`` whose manifest points at those blocks.
-4. ``ppl``: test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot and distilled.
-5. ``zeroshot``: lm-eval tasks with a small ``--limit`` for the dense model and the chosen candidate, in
-   this process (skipped when lm-eval is not installed or no task data can be found); each model's
-   ``syncdrop eval`` result is kept as ``zeroshot_dense.json`` / ``zeroshot_chosen.json``.
+   ``DIR/models/spdNNN`` whose manifest points at those blocks (a compressed candidate runs its SPD
+   fraction's directory under its own plan).
+4. ``ppl``: test perplexity (first ``eval_windows`` windows) of every candidate, zero-shot and distilled,
+   with each window's NLL (for paired intervals against dense).
+5. ``zeroshot``: lm-eval tasks (first ``--zs-limit`` documents) for every candidate's better variant, in
+   this process, with each document's accuracy (skipped when lm-eval is not installed or no task data can
+   be found); each ``syncdrop eval`` result is kept as ``zeroshot/NAME.json``.
 6. ``bench``: :func:`syncdrop.bench.run.run_bench`, which starts the ``--tp`` ranks itself and returns
    rank 0's results here (``--engine vllm``: the candidates served in vLLM), without and with the link
    emulation (time to first token, decode step per candidate), and the cost model calibrated on the
@@ -32,7 +39,9 @@ Stages:
    ``none`` and the user's), so that machine drift between two runs cannot bias the prediction. The
    results are kept as ``bench_noemul.json`` / ``bench_link.json`` (and ``.md`` tables).
 7. ``choice``: a candidate other than dense only when the measurement supports it: its perplexity
-   increase (distilled, else zero-shot) is within ``--max-ppl-increase``, its measured TTFT gain over
+   increase (distilled, else zero-shot) is within ``--max-ppl-increase`` and its average zero-shot
+   accuracy drop within ``--max-acc-drop`` points, each at the upper end of its paired 95% interval against
+   dense, its measured TTFT gain over
    dense on the user's emulated link is significant (the 95% interval of TTFT / dense lies below 1)
    and the cost model predicts its TTFT within 15%; the fastest such one by measured TTFT. When none
    qualifies: dense, and the reason says why each candidate failed. ``--spd`` takes the nearest
@@ -55,6 +64,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from syncdrop.auto.candidates import (
+    best_variant,
+    candidate_key,
+    candidate_label,
+    candidate_name,
+    parse_wires,
+    row_key,
+)
 from syncdrop.errors import SyncdropError
 
 log = logging.getLogger(__name__)
@@ -91,6 +108,8 @@ class AutoSettings:
     e2e_samples: int | None = None  # end-to-end windows per candidate; None: as many as the budget pays for
     e2e_epochs: int = 1
     e2e_lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md)
+    wires: tuple[str, ...] = ("none", "int8")  # wire formats of the kept sync points: each SPD fraction with each
+    max_acc_drop: float | None = 5.0  # zero-shot limit: points of average accuracy (over --zs-tasks) lost to dense
 
     def runtime(self):
         """The single-process runtime of the stages other than the bench (whose ranks run_bench starts)."""
@@ -108,12 +127,6 @@ def _result_key(stage: dict[str, Any]) -> str:
 
 def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def candidate_name(fraction: float) -> str:
-    """The name of SPD fraction ``fraction``'s files: its plan ``plans/NAME.json``, its model directory
-    ``models/NAME`` (``models/NAME_e2e`` after end-to-end distillation): ``spd050`` for 0.5."""
-    return f"spd{round(fraction * 100):03d}"
 
 
 class Stages:
@@ -175,6 +188,11 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
     for f in s.fractions:
         if not 0 <= f <= 1:
             raise SyncdropError(f"--fractions: {f} is not between 0 and 1")
+    if s.max_acc_drop is not None and not (math.isfinite(s.max_acc_drop) and s.max_acc_drop >= 0):
+        raise SyncdropError(f"--max-acc-drop must be a number of points >= 0, got {s.max_acc_drop}")
+    from syncdrop.models.loading import resolve_model
+
+    wires = parse_wires(s.wires, resolve_model(s.model).config.hidden_size)
     from syncdrop.eval.data import load_text
 
     calib, test = load_text("auto:valid", s.data_dir), load_text("auto", s.data_dir)
@@ -185,24 +203,26 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                   lambda: _profile(s, root, calib))
     # SPD 0 (dense) is always a candidate: the perplexity budget is relative to it
     fractions = sorted(set(s.fractions) | {0.0} | ({s.spd} if s.spd is not None else set()))
-    plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2],
-                   lambda: _plans(s, root, fractions, prof, st.sha256["profile"]))
-    dist = st.run("distill", [_result_key(plans), s.distill_samples, s.distill_epochs, s.lr, s.seq_len,
-                              s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr],
+    plans = st.run("plans", [_result_key(prof), fractions, s.tau1, s.tau2, wires],
+                   lambda: _plans(s, root, fractions, prof, st.sha256["profile"], wires))
+    uncompressed = {k: c for k, c in plans["candidates"].items() if c.get("wire", "none") == "none"}
+    dist = st.run("distill", [_result_key({"candidates": uncompressed}), s.distill_samples, s.distill_epochs, s.lr,
+                              s.seq_len, s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr],
                   lambda: _distill(s, root, plans, calib))
-    ppl = st.run("ppl", [_result_key(dist), s.eval_windows, s.seq_len, test.info()],
+    ppl = st.run("ppl", [_result_key(plans), _result_key(dist), s.eval_windows, s.seq_len, test.info()],
                  lambda: _ppl(s, plans, dist, test))
     bench = st.run("bench", [_result_key(plans), link.to_dict(), s.prompt_len, s.decode_tokens, s.reps,
                              s.max_reps, "links interleaved" if s.engine == "syncdrop" else "two runs"],
                    lambda: _bench(s, root, plans, link))
-    choice = st.run("choice", [_result_key(ppl), _result_key(bench), s.max_ppl_increase, s.spd],
-                    lambda: _choose(s, plans, ppl, bench, dist))
+    zs_data, zs_why = _zeroshot_data(s)
+    zs = st.run("zeroshot", [_result_key(ppl), _result_key(dist), s.zs_tasks, s.zs_limit, zs_data or zs_why],
+                lambda: _zeroshot(s, root, plans, dist, ppl, zs_why))
+    choice = st.run("choice", [_result_key(ppl), _result_key(bench), _result_key(zs), s.max_ppl_increase,
+                               s.max_acc_drop, s.spd],
+                    lambda: _choose(s, plans, ppl, bench, dist, zs))
     served = None
     if s.engine == "vllm":
         served = st.run("export", [_result_key(choice), s.tp], lambda: _export(s, root, choice))
-    zs_data, zs_why = _zeroshot_data(s)
-    zs = st.run("zeroshot", [_result_key(choice), s.zs_tasks, s.zs_limit, zs_data or zs_why],
-                lambda: _zeroshot(s, root, choice, zs_why))
     from syncdrop.auto.report import write_report
 
     return write_report(root, s, prof, plans, dist, ppl, bench, choice, zs, link, served)
@@ -230,9 +250,12 @@ def _profile(s: AutoSettings, root: Path, calib=None) -> dict[str, Any]:
 
 
 def _plans(s: AutoSettings, root: Path, fractions: list[float], prof: dict[str, Any],
-           prof_sha256: str) -> dict[str, Any]:
+           prof_sha256: str, wires: list[str] | None = None) -> dict[str, Any]:
     """One plan per fraction from the profile stage's result (``prof``, its file's SHA-256 recorded in
-    each plan as :func:`~syncdrop.spd.planning.load_profile` would)."""
+    each plan as :func:`~syncdrop.spd.planning.load_profile` would), and for each wire format other than
+    ``none`` the same plan with its kept sync points compressed (:meth:`SyncPlan.compressed`; ``spd_key``:
+    the uncompressed candidate whose recovered blocks it runs)."""
+    from syncdrop.plan.wire import parse_wire
     from syncdrop.spd.planning import LoadedProfile, make_plan, validate_profile
 
     path = root / "profile.json"
@@ -240,10 +263,14 @@ def _plans(s: AutoSettings, root: Path, fractions: list[float], prof: dict[str, 
     out = {}
     for f in fractions:
         plan = make_plan(loaded, spd=f, tau1=s.tau1, tau2=s.tau2)
-        path = root / "plans" / f"{candidate_name(f)}.json"
-        plan.save(path)
-        out[f"{f:g}"] = {"fraction": f, "path": str(path), "dropped": plan.dropped, "tiers": plan.meta["tiers"],
-                         "predicted_ppl": plan.meta["predicted_ppl"]}
+        for w in wires or ["none"]:
+            fmt = None if w == "none" else parse_wire(w, "--wire")
+            p = plan if fmt is None else plan.compressed(fmt.fmt, fmt.group)
+            path = root / "plans" / f"{candidate_name(f, w)}.json"
+            p.save(path)
+            out[candidate_key(f, w)] = {"fraction": f, "wire": w, "spd_key": candidate_key(f), "path": str(path),
+                                        "dropped": plan.dropped, "tiers": plan.meta["tiers"],
+                                        "predicted_ppl": plan.meta["predicted_ppl"]}
     return {"candidates": out}
 
 
@@ -251,7 +278,9 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     """The recovery stage: which method each candidate gets within ``--recovery-budget``
     (:func:`syncdrop.spd.recovery.allocate`, from step times measured first), then the block stage (B2B /
     HG+B2B of the largest candidate's tiered blocks, shared) and end-to-end distillation per candidate.
-    Every candidate becomes a ``--model`` directory ``ROOT/models/spdNN``."""
+    Every uncompressed candidate becomes a ``--model`` directory ``ROOT/models/spdNN``; a compressed one
+    runs its SPD candidate's directory under its own plan (the dropped blocks' recovered weights run
+    wherever the plan drops them, :meth:`SPDCheckpoint.blocks_for`)."""
     import time
 
     from syncdrop.io_utils import atomic_write_json
@@ -264,7 +293,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
 
     t_start = time.perf_counter()
     budget = recovery.parse_duration(s.recovery_budget)
-    cands = plans["candidates"]
+    cands = {k: c for k, c in plans["candidates"].items() if c.get("wire", "none") == "none"}
     big = max(cands.values(), key=lambda c: len(c["dropped"]))
     tiers = {int(k): v for k, v in big["tiers"].items()}
     source = resolve_model(s.model)
@@ -329,6 +358,13 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
                          "total_measured_s": time.perf_counter() - t_start}}
 
 
+def model_dir(dist: dict[str, Any], plans: dict[str, Any], key: str) -> str | None:
+    """Candidate ``key``'s ``--model`` directory from the distill stage: its own, or for a compressed candidate
+    its SPD fraction's (whose recovered blocks run wherever its plan drops them)."""
+    models = (dist or {}).get("models", {})
+    return models.get(key) or models.get(plans["candidates"].get(key, {}).get("spd_key", key))
+
+
 def _ppl(s: AutoSettings, plans: dict[str, Any], dist: dict[str, Any], test=None) -> dict[str, Any]:
     """Test perplexity of every candidate: zero-shot (the base model under the candidate's plan) and
     distilled (the candidate's ``--model`` directory of the distill stage's result ``dist``, under its own
@@ -342,13 +378,14 @@ def _ppl(s: AutoSettings, plans: dict[str, Any], dist: dict[str, Any], test=None
     data, w = _windows(base.source, test or "auto", s.seq_len, s.eval_windows, s.data_dir, required=1)
     rows = []
     for key, c in plans["candidates"].items():
-        zs = perplexity(base.use_plan(resolve_plan(c["path"], L, tp=s.tp)), w, progress=False).ppl
-        cand = rt.build(dist["models"][key], s.tp, None, progress=False)  # the directory's own plan
-        ds = perplexity(cand.model, w, progress=False).ppl if cand.source.spd.blocks else zs
-        rows.append({"fraction": c["fraction"], "ppl_zero_shot": zs, "ppl_distilled": ds})
-        log.info("spd %.2f: ppl zero-shot %.3f distilled %.3f", c["fraction"], zs, ds)
-    dense = next(r["ppl_zero_shot"] for r in rows if r["fraction"] == 0) if any(
-        r["fraction"] == 0 for r in rows) else None
+        zs = perplexity(base.use_plan(resolve_plan(c["path"], L, tp=s.tp)), w, progress=False)
+        cand = rt.build(model_dir(dist, plans, key), s.tp, c["path"], progress=False)  # recovered blocks where they run
+        ds = perplexity(cand.model, w, progress=False) if cand.source.spd.blocks_for(cand.model.plan) else zs
+        rows.append({"key": key, "fraction": c["fraction"], "wire": c.get("wire", "none"), "ppl_zero_shot": zs.ppl,
+                     "ppl_distilled": ds.ppl, "window_nll_zero_shot": list(zs.window_nll),
+                     "window_nll_distilled": list(ds.window_nll)})
+        log.info("%s: ppl zero-shot %.3f distilled %.3f", candidate_label(c), zs.ppl, ds.ppl)
+    dense = next((r["ppl_zero_shot"] for r in rows if r["key"] == candidate_key(0.0)), None)
     return {"dataset": data.name, "data": data.info(), "windows": int(w.shape[0]), "seq_len": s.seq_len,
             "dense_ppl": dense, "rows": rows}
 
@@ -368,7 +405,8 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     from syncdrop.bench.ring import Link
     from syncdrop.io_utils import atomic_write_json, atomic_write_text
 
-    cands = sorted(plans["candidates"].values(), key=lambda c: c["fraction"])
+    keyed = sorted(plans["candidates"].items(), key=lambda kv: (kv[1].get("wire", "none") != "none", kv[1]["fraction"]))
+    cands = [c for _, c in keyed]
     settings = bench_run.BenchSettings(
         model=s.model, tp=s.tp, plans=tuple(c["path"] for c in cands), prompt_len=s.prompt_len,
         decode_tokens=s.decode_tokens, reps=s.reps, max_reps=s.max_reps, data_dir=s.data_dir, device=s.device,
@@ -386,7 +424,7 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     for f, d in zip(files, docs, strict=True):
         atomic_write_json(f, d)
         atomic_write_text(f.with_suffix(".md"), markdown_table(d))
-    frac = {c["path"]: c["fraction"] for c in cands}
+    by_path = {c["path"]: (k, c) for k, c in keyed}
     target = str(files[-1])
     try:
         runs = [bench_result(d, f"{'--calibrate' if i == 0 else '--check'} {str(f)!r}", str(f))
@@ -406,8 +444,10 @@ def _bench(s: AutoSettings, root: Path, plans: dict[str, Any], link) -> dict[str
     for r in rows:
         if r["what"] in ("ttft", "decode"):
             m, w = measured.get((str(r["file"]), r["plan"], r["what"]), {}), r["what"]
+            k, c = by_path.get(r["plan"], (None, {}))
             out.append({"link": "user" if r["file"] == target and link.active else "none", "what": w,
-                        "fraction": frac.get(r["plan"], r["spd_fraction"]), "measured_ms": r["measured_ms"],
+                        "key": k, "fraction": c.get("fraction", r["spd_fraction"]), "wire": c.get("wire", "none"),
+                        "measured_ms": r["measured_ms"],
                         "predicted_ms": r["predicted_ms"], "samples_ms": m.get(f"{w}_samples_ms"),
                         "ci_ms": m.get(f"{w}_ci_ms"), "over_dense": m.get(f"{w}_over_baseline"),
                         "over_dense_ci": m.get(f"{w}_over_baseline_ci")})
@@ -421,7 +461,8 @@ def _export(s: AutoSettings, root: Path, choice: dict[str, Any]) -> dict[str, An
     from syncdrop.serve.export import export_model
 
     c = choice["chosen"]
-    model, plan = (choice["model_dir"], None) if c["variant"] == "distilled" else (s.model, choice["plan"])
+    plan = None if c.get("wire", "none") == "none" else choice["plan"]  # compressed: the directory's blocks, its plan
+    model, plan = (choice["model_dir"], plan) if c["variant"] == "distilled" else (s.model, choice["plan"])
     res = export_model(model, s.tp, root / "export", plan, force=True, progress=False)
     return {"dir": str(res.out), "architecture": res.architecture, "plan": res.plan.summary(), "tp": res.tp,
             "distilled_blocks": res.distilled_blocks, "permuted_blocks": res.permuted_blocks,
@@ -432,10 +473,23 @@ ENGINES = ("syncdrop", "vllm")
 MODEL_AGREEMENT = 0.15  # the cost model must predict a chosen plan's TTFT within this relative error
 
 
-def _verdict(c: dict[str, Any], budget: float | None) -> str | None:
-    """Why candidate ``c`` (not dense) cannot be chosen, or None when it can (see :func:`_choose`)."""
-    if budget is not None and not c["ppl_increase"] <= budget:
-        return f"perplexity {c['ppl_increase']:+.2%} is over the {budget:+.1%} budget"
+def _verdict(c: dict[str, Any], budget: float | None, acc_limit: float | None = None) -> str | None:
+    """Why candidate ``c`` (not dense) cannot be chosen, or None when it can (see :func:`_choose`). The
+    accuracy limits are judged on the upper end of the paired 95% interval (the point estimate when there is
+    no interval: a single window or document)."""
+    if budget is not None:
+        ci = c.get("ppl_increase_ci")
+        worst = ci[1] if ci else c["ppl_increase"]
+        if not worst <= budget:
+            at = f" (95% interval [{ci[0]:+.2%}, {ci[1]:+.2%}] reaches past it)" if ci and c["ppl_increase"] <= budget \
+                else ""
+            return f"perplexity {c['ppl_increase']:+.2%} is over the {budget:+.1%} budget{at}"
+    if acc_limit is not None and c.get("acc_drop") is not None:
+        ci = c.get("acc_drop_ci")
+        worst = ci[1] if ci else c["acc_drop"]
+        if not worst <= acc_limit:
+            iv = f", 95% interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""
+            return f"zero-shot accuracy drop {c['acc_drop']:+.1f} points{iv} may exceed the {acc_limit:g}-point limit"
     ci = c["ttft_over_dense_ci"]
     if ci is None:
         return "no interval for its TTFT gain (fewer than 2 reps)"
@@ -450,33 +504,62 @@ def _verdict(c: dict[str, Any], budget: float | None) -> str | None:
     return None
 
 
-def _choose(s: AutoSettings, plans, ppl, bench, dist=None) -> dict[str, Any]:
+def _accuracy(row: dict[str, Any], dense_row: dict[str, Any] | None, zs: dict[str, Any] | None) -> dict[str, Any]:
+    """A candidate's accuracy against dense, paired: perplexity ratio over the same test windows
+    (:func:`~syncdrop.bench.stats.paired_ppl_ratio`) and average zero-shot accuracy drop over the same
+    documents (:func:`~syncdrop.bench.stats.paired_accuracy_drop`), each with its 95% interval."""
+    from syncdrop.bench.stats import paired_accuracy_drop, paired_ppl_ratio
+
+    variant = best_variant(row)
+    out: dict[str, Any] = {"ppl_increase_ci": None, "acc_drop": None, "acc_drop_ci": None, "task_acc": None}
+    nll = row.get("window_nll_distilled" if variant == "distilled" else "window_nll_zero_shot")
+    base = (dense_row or {}).get("window_nll_zero_shot")
+    if nll and base and len(nll) == len(base):
+        _, ci = paired_ppl_ratio(nll, base)
+        out["ppl_increase_ci"] = None if ci is None else [ci[0] - 1, ci[1] - 1]
+    docs = (zs or {}).get("doc_acc", {})
+    key, dense_key = row_key(row), candidate_key(0.0)
+    if key in docs and dense_key in docs:
+        drop, ci = paired_accuracy_drop(docs[dense_key], docs[key])
+        out.update(acc_drop=drop, acc_drop_ci=None if ci is None else list(ci),
+                   task_acc={t: sum(v) / len(v) for t, v in docs[key].items()})
+    return out
+
+
+def _choose(s: AutoSettings, plans, ppl, bench, dist=None, zs=None) -> dict[str, Any]:
     """The decision, supported by the measurement: a plan other than dense is chosen only when (1) its
-    perplexity increase is within the budget, (2) its measured TTFT gain over dense on the decision link
-    (the user's emulated link, else none) is significant: the 95% interval of TTFT / dense lies below 1,
-    and (3) the cost model predicts its TTFT there within 15%. Among those, the lowest measured TTFT;
-    when none qualifies, dense, and the reason lists why each candidate failed. ``--spd`` picks the
-    nearest fraction regardless, and the reason says whether its gain is significant."""
+    perplexity increase is within the budget and (2) its average zero-shot accuracy drop within the limit in
+    points, both judged on the upper end of a paired 95% interval against dense (the same windows, the same
+    documents), (3) its measured TTFT gain over dense on the decision link (the user's emulated link, else
+    none) is significant: the 95% interval of TTFT / dense lies below 1, and (4) the cost model predicts its
+    TTFT there within 15%. Among those, the lowest measured TTFT; when none qualifies, dense, and the reason
+    lists why each candidate failed. ``--spd`` picks the nearest fraction regardless (uncompressed), and the
+    reason says whether its gain is significant. Without zero-shot results (skipped) the limit is not judged."""
     link = "user" if any(r["link"] == "user" for r in bench["rows"]) else "none"
-    ttft = {r["fraction"]: r for r in bench["rows"] if r["what"] == "ttft" and r["link"] == link}
+    ttft = {row_key(r): r for r in bench["rows"] if r["what"] == "ttft" and r["link"] == link}
     dense = ppl["dense_ppl"]
+    dense_row = next((r for r in ppl["rows"] if row_key(r) == candidate_key(0.0)), None)
     cands = []
     for r in ppl["rows"]:
         best = min(r["ppl_zero_shot"], r["ppl_distilled"])
-        variant = "distilled" if r["ppl_distilled"] < r["ppl_zero_shot"] else "zero-shot"
-        b = ttft.get(r["fraction"], {})
+        b = ttft.get(row_key(r), {})
         meas, pred = b.get("measured_ms"), b.get("predicted_ms")
-        cands.append({"fraction": r["fraction"], "ppl": best, "variant": variant,
-                      "ppl_increase": best / dense - 1 if dense else math.nan,
+        cands.append({"key": row_key(r), "fraction": r["fraction"], "wire": r.get("wire", "none"), "ppl": best,
+                      "variant": best_variant(r), "ppl_increase": best / dense - 1 if dense else math.nan,
+                      **_accuracy(r, dense_row, zs),
                       "measured_ttft_ms": meas, "ttft_ci_ms": b.get("ci_ms"), "predicted_ttft_ms": pred,
                       "ttft_over_dense": b.get("over_dense"), "ttft_over_dense_ci": b.get("over_dense_ci"),
                       "prediction_error": pred / meas - 1 if pred is not None and meas else None})
-    dense_c = min(cands, key=lambda c: c["fraction"])
+    dense_c = next(c for c in cands if c["key"] == candidate_key(0.0))
     for c in cands:
-        c["verdict"] = "dense" if c is dense_c else (_verdict(c, s.max_ppl_increase) or "qualifies")
+        c["verdict"] = "dense" if c is dense_c else (_verdict(c, s.max_ppl_increase, s.max_acc_drop) or "qualifies")
     where = f"on the {'emulated' if link == 'user' else 'un-emulated'} link"
+    limits = f"{s.max_ppl_increase:+.1%} perplexity" if s.max_ppl_increase is not None else ""
+    if s.max_acc_drop is not None and (zs or {}).get("doc_acc"):
+        limits += f" and {s.max_acc_drop:g} points of zero-shot accuracy"
     if s.spd is not None:
-        pick = min(cands, key=lambda c: abs(c["fraction"] - s.spd))
+        plain = [c for c in cands if c["wire"] == "none"]
+        pick = min(plain, key=lambda c: abs(c["fraction"] - s.spd))
         note = _verdict(pick, None) or "its gain is significant"
         why = f"--spd {s.spd}" + ("" if pick is dense_c else f" ({where}: {note})")
         recommend = pick is dense_c
@@ -485,21 +568,20 @@ def _choose(s: AutoSettings, plans, ppl, bench, dist=None) -> dict[str, Any]:
         if ok:
             pick = min(ok, key=lambda c: c["measured_ttft_ms"])
             ci = pick["ttft_over_dense_ci"]
-            why = (f"fastest measured TTFT {where} among candidates within {s.max_ppl_increase:+.1%} perplexity "
-                   f"whose gain is significant and predicted: TTFT / dense {pick['ttft_over_dense']:.3f} "
+            why = (f"fastest measured TTFT {where} among candidates within {limits} (95% intervals) whose gain is "
+                   f"significant and predicted: TTFT / dense {pick['ttft_over_dense']:.3f} "
                    f"[{ci[0]:.3f}, {ci[1]:.3f}], cost model {pick['prediction_error']:+.1%}")
             recommend = False
         else:
             pick = dense_c
-            failed = "; ".join(f"SPD {c['fraction']:g}: {c['verdict']}" for c in cands if c is not dense_c)
-            why = (f"no plan pays {where} within {s.max_ppl_increase:+.1%} perplexity, so syncdrop recommends "
-                   f"dense ({failed})")
+            failed = "; ".join(f"{candidate_label(c)}: {c['verdict']}" for c in cands if c is not dense_c)
+            why = f"no plan pays {where} within {limits}, so syncdrop recommends dense ({failed})"
             recommend = True
-    key = f"{pick['fraction']:g}"
-    model_dir = (dist or {}).get("models", {}).get(key) or str(
+    key = pick["key"]
+    chosen_dir = model_dir(dist, plans, key) or str(
         Path(plans["candidates"][key]["path"]).parent.parent / "models" / candidate_name(pick["fraction"]))
     return {"candidates": cands, "chosen": pick, "reason": why, "recommend_dense": recommend, "decision_link": link,
-            "plan": plans["candidates"][key]["path"], "model_dir": model_dir}
+            "plan": plans["candidates"][key]["path"], "model_dir": chosen_dir}
 
 
 def _zeroshot_data(s: AutoSettings) -> tuple[str | None, str | None]:
@@ -522,8 +604,13 @@ def _zeroshot_data(s: AutoSettings) -> tuple[str | None, str | None]:
                       f"../shared/data) and the Hugging Face hub cannot be used ({hub_unavailable()})")
 
 
-def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any], skip: str | None = None) -> dict[str, Any]:
-    """The dense model and the chosen candidate on ``s.zs_tasks``, or ``{"skipped": skip}``."""
+def _zeroshot(s: AutoSettings, root: Path, plans: dict[str, Any], dist: dict[str, Any], ppl: dict[str, Any],
+              skip: str | None = None) -> dict[str, Any]:
+    """Every candidate (its variant of lower perplexity, :func:`best_variant`) on ``s.zs_tasks``, the first
+    ``s.zs_limit`` documents of each, with each document's accuracy (``doc_acc``: key -> task -> 0/1 per
+    document, in document order) for the paired comparison with dense; or ``{"skipped": skip}``. Each
+    evaluation's ``syncdrop eval`` result is kept as ``zeroshot/NAME.json``; candidates that run the same
+    model under the same sync modes are evaluated once."""
     if skip is None:
         skip = _zeroshot_data(s)[1]
     if skip is not None:
@@ -536,23 +623,38 @@ def _zeroshot(s: AutoSettings, root: Path, choice: dict[str, Any], skip: str | N
     from syncdrop.eval.harness import SyncdropLM
     from syncdrop.eval.tasks import parse_tasks, resolve_task_data
     from syncdrop.io_utils import atomic_write_json
+    from syncdrop.plan import SyncPlan
 
     names = parse_tasks(s.zs_tasks)
     data = resolve_task_data(names, s.data_dir)
     rt = s.runtime()
-    chosen = choice["model_dir"] if choice["chosen"]["variant"] == "distilled" else s.model
-    plan = None if chosen != s.model else choice["plan"]
-    res, doc = {}, {}
-    for name, model, p in (("dense", s.model, "none"), ("chosen", chosen, plan)):
-        # what `syncdrop eval --model MODEL --tp TP [--plan P] --tasks .. --limit .. --json ..` computes
-        built = rt.build(model, s.tp, p, progress=False)
+    rows = {row_key(r): r for r in ppl["rows"]}
+    res: dict[str, Any] = {}
+    docs: dict[str, dict[str, list[float]]] = {}
+    seconds: dict[str, float] = {}
+    done: dict[tuple[str, str], str] = {}  # (model, sync modes) -> the key evaluated
+    doc: dict[str, Any] = {}
+    for key, c in sorted(plans["candidates"].items(), key=lambda kv: (kv[1]["fraction"], kv[0])):
+        model = model_dir(dist, plans, key) if best_variant(rows[key]) == "distilled" else s.model
+        same = (model, json.dumps(SyncPlan.load(c["path"]).to_dict()["blocks"], sort_keys=True))
+        if same in done:
+            res[key], docs[key], seconds[key] = res[done[same]], docs[done[same]], 0.0
+            continue
+        # what `syncdrop eval --model MODEL --tp TP --plan P --tasks .. --limit .. --json ..` computes
+        built = rt.build(model, s.tp, c["path"], progress=False)
         lm = SyncdropLM(built=built, progress=False)
         t0 = time.perf_counter()
-        raw = evaluate(lm, names, data, s.zs_limit, LM_EVAL_BOOTSTRAP_ITERS, quiet=True)
+        raw = evaluate(lm, names, data, s.zs_limit, LM_EVAL_BOOTSTRAP_ITERS, quiet=True, log_samples=True)
         args = argparse.Namespace(model=model, tp=s.tp, dtype=rt.dtype_name, tasks=s.zs_tasks, limit=s.zs_limit,
                                   batch_size=lm.batch_size, bootstrap_iters=LM_EVAL_BOOTSTRAP_ITERS)
-        doc = report(raw, built, args, data, time.perf_counter() - t0, lm, names, built.memory())
-        atomic_write_json(root / f"zeroshot_{name}.json", doc)
-        res[name] = doc["results"]
-    return {"tasks": s.zs_tasks.split(","), "limit": s.zs_limit, "results": res,
-            "data": doc["settings"].get("data")}
+        seconds[key] = time.perf_counter() - t0
+        doc = report(raw, built, args, data, seconds[key], lm, names, built.memory())
+        atomic_write_json(root / "zeroshot" / f"{candidate_name(c['fraction'], c.get('wire', 'none'))}.json", doc)
+        res[key] = doc["results"]
+        docs[key] = {t: [float(d["acc"]) for d in sorted(raw["samples"][t], key=lambda d: d["doc_id"])]
+                     for t in names}
+        done[same] = key
+        log.info("%s: zero-shot %s (%.0f s)", candidate_label(c),
+                 ", ".join(f"{t} {res[key][t].get('acc', float('nan')):.3f}" for t in names), seconds[key])
+    return {"tasks": names, "limit": s.zs_limit, "results": res, "doc_acc": docs, "seconds": seconds,
+            "data": doc.get("settings", {}).get("data")}

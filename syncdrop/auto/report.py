@@ -113,13 +113,20 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
                            "calibration data)", (root / "profile.png").read_bytes())
 
     # 2. accuracy vs SPD fraction
-    rows = sorted(ppl["rows"], key=lambda r: r["fraction"])
+    from syncdrop.auto.candidates import candidate_label, row_key
+
+    rows = sorted(ppl["rows"], key=lambda r: (r.get("wire", "none") != "none", r.get("wire", "none"), r["fraction"]))
+    wires = list(dict.fromkeys(r.get("wire", "none") for r in rows))
     atomic_write_json(root / "fig_accuracy.json", ppl)
 
     def acc(ax):
-        x = [r["fraction"] for r in rows]
-        ax.plot(x, [r["ppl_zero_shot"] for r in rows], marker="o", label="zero-shot drop")
-        ax.plot(x, [r["ppl_distilled"] for r in rows], marker="s", label="with B2B / HG+B2B")
+        for w in wires:
+            sub = [r for r in rows if r.get("wire", "none") == w]
+            x = [r["fraction"] for r in sub]
+            tag = "" if w == "none" else f", {w} wire"
+            if w == "none":
+                ax.plot(x, [r["ppl_zero_shot"] for r in sub], marker="o", label="zero-shot drop")
+            ax.plot(x, [r["ppl_distilled"] for r in sub], marker="s", label=f"recovered{tag}")
         ax.set_xlabel("SPD fraction")
         ax.set_ylabel(f"{ppl['dataset']} perplexity")
         ax.set_yscale("log")
@@ -134,17 +141,19 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
     names = {"none": "no emulation", "user": link.describe()}
 
     def lat(ax):
-        for lk in sorted({r["link"] for r in b}):
-            rows = sorted((r for r in b if r["link"] == lk and r["what"] == "ttft"), key=lambda r: r["fraction"])
+        for lk, w in sorted({(r["link"], r.get("wire", "none")) for r in b}):
+            rows = sorted((r for r in b if r["link"] == lk and r["what"] == "ttft" and r.get("wire", "none") == w),
+                          key=lambda r: r["fraction"])
             pts = [(r["fraction"], r["measured_ms"], r["predicted_ms"]) for r in rows]
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({names[lk]})")[0]
+            tag = names[lk] + ("" if w == "none" else f", {w} wire")
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"measured ({tag})")[0]
             if all(r.get("ci_ms") for r in rows):  # whiskers: the 95% interval of the median
                 lo = [r["measured_ms"] - r["ci_ms"][0] for r in rows]
                 hi = [r["ci_ms"][1] - r["measured_ms"] for r in rows]
                 ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lo, hi], fmt="none",
                             ecolor=line.get_color(), capsize=3, alpha=0.7)
             if all(p[2] is not None for p in pts):
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({names[lk]})")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], linestyle="--", label=f"predicted ({tag})")
         ax.set_xlabel("SPD fraction")
         ax.set_ylabel("TTFT ms (median; bars: 95% interval)")
         ax.legend(fontsize=8)
@@ -165,30 +174,43 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
     figs["predicted_vs_measured"] = ("Cost model: predicted vs measured", _figure(pvm, root / "fig_predicted.png"))
 
     c = choice["chosen"]
+    acc_limit = getattr(s, "max_acc_drop", None)
+    budget = (f"+{s.max_ppl_increase:.1%} perplexity" + (f", {acc_limit:g} points of average zero-shot accuracy"
+                                                        if acc_limit is not None and zs.get("doc_acc") else "")
+              + " (each on the upper end of a paired 95% interval)") if s.spd is None else f"SPD fraction {s.spd}"
+    run_plan = "" if c["variant"] == "distilled" and c.get("wire", "none") == "none" else f" --plan {choice['plan']}"
     md = [f"# syncdrop auto: {s.model} at TP={s.tp}", "",
-          f"Link: {link.describe()}. Accuracy budget: "
-          + (f"+{s.max_ppl_increase:.1%} perplexity" if s.spd is None else f"SPD fraction {s.spd}") + ".", "",
-          f"**Choice: SPD fraction {c['fraction']:g} ({c['variant']})**: perplexity {c['ppl']:.3f} "
+          f"Link: {link.describe()}. Accuracy budget: {budget}.", "",
+          f"**Choice: {candidate_label(c)} ({c['variant']})**: perplexity {c['ppl']:.3f} "
           f"({c['ppl_increase']:+.2%} vs dense), measured TTFT {_ms(c['measured_ttft_ms'], c['ttft_ci_ms'])} "
           f"(TTFT / dense {_ratio(c['ttft_over_dense'], c['ttft_over_dense_ci'])}). "
           f"Reason: {choice['reason']}.", "",
           f"Run it: `syncdrop generate --model {choice['model_dir'] if c['variant'] == 'distilled' else s.model} "
-          f"--tp {s.tp}" + ("" if c["variant"] == "distilled" else f" --plan {choice['plan']}") + " --launch ...`",
+          f"--tp {s.tp}{run_plan} --launch ...`",
           "", *_serving(served), "## Candidates", "",
           *_comm_share(bench),
           f"TTFT on the {'emulated' if link.active else 'un-emulated'} link: medians with 95% bootstrap intervals "
-          "over interleaved reps. A candidate qualifies when it is within the perplexity budget, its TTFT / dense "
-          "interval lies below 1, and the cost model predicts its TTFT within 15%.", "",
-          "| SPD | all-reduces / forward | ppl zero-shot | ppl distilled | best vs dense | TTFT measured ms "
-          "| TTFT / dense | TTFT predicted ms | verdict |",
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "over interleaved reps. A candidate qualifies when its perplexity increase and its zero-shot accuracy drop "
+          "are within the budget at the upper end of their paired 95% intervals (the same test windows, the same "
+          "documents as dense), its TTFT / dense interval lies below 1, and the cost model predicts its TTFT within "
+          "15%. Wire: the format of the sync points it keeps (none: full precision).", "",
+          "| SPD | wire | all-reduces / forward | ppl zero-shot | ppl recovered | best vs dense [95%] "
+          "| zero-shot drop, points [95%] | TTFT measured ms | TTFT / dense | TTFT predicted ms | verdict |",
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     collectives = _collectives(plans)
-    for r, cand in zip(rows, sorted(choice["candidates"], key=lambda x: x["fraction"]), strict=True):
+    by_key = {x.get("key") or row_key(x): x for x in choice["candidates"]}
+    for r in rows:
+        cand = by_key[row_key(r)]
         pred = cand["predicted_ttft_ms"]
         err = cand["prediction_error"]
         pcell = "-" if pred is None else f"{pred:.1f}" + ("" if err is None else f" ({err:+.1%})")
-        md.append(f"| {r['fraction']:g} | {collectives.get(r['fraction'], '-')} | {r['ppl_zero_shot']:.3f} | "
-                  f"{r['ppl_distilled']:.3f} | {cand['ppl_increase']:+.2%} | "
+        ci = cand.get("ppl_increase_ci")
+        pci = f" [{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else ""
+        drop = cand.get("acc_drop")
+        dci = cand.get("acc_drop_ci")
+        dcell = "-" if drop is None else f"{drop:+.1f}" + (f" [{dci[0]:+.1f}, {dci[1]:+.1f}]" if dci else "")
+        md.append(f"| {r['fraction']:g} | {r.get('wire', 'none')} | {collectives.get(row_key(r), '-')} | "
+                  f"{r['ppl_zero_shot']:.3f} | {r['ppl_distilled']:.3f} | {cand['ppl_increase']:+.2%}{pci} | {dcell} | "
                   f"{_ms(cand['measured_ttft_ms'], cand['ttft_ci_ms'])} | "
                   f"{_ratio(cand['ttft_over_dense'], cand['ttft_over_dense_ci'])} | {pcell} | {cand['verdict']} |")
     if "error" in bench["calibration"]:
@@ -197,16 +219,8 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
     md += ["", f"Perplexity: {ppl['dataset']}, first {ppl['windows']} windows of {ppl['seq_len']} tokens. "
            f"Distilled blocks: {dist['trained_blocks'] or 'none'}.", "", *_recovery(dist, plans),
            *_data_note(prof, ppl)]
-    if "results" in zs:
-        zs_source = (zs.get("data") or {}).get("source")
-        where = {"data-dir": " Documents from the data folder.",
-                 "datasets": " Documents from the Hugging Face hub (datasets)."}.get(zs_source, "")
-        md += ["## Zero-shot tasks", "", f"lm-eval tasks, limit {zs['limit']} per task.{where}", "",
-               "| task | dense acc | chosen acc |", "|---|---:|---:|"]
-        for t, m in zs["results"]["dense"].items():
-            ch = zs["results"]["chosen"].get(t, {})
-            md.append(f"| {t} | {m.get('acc', float('nan')):.3f} | {ch.get('acc', float('nan')):.3f} |")
-        md.append("")
+    if "doc_acc" in zs:
+        md += _zeroshot_section(zs, choice, acc_limit)
     else:
         md += ["## Zero-shot tasks", "", f"Zero-shot tasks skipped: {zs.get('skipped')}.", ""]
     md += ["## Figures", ""]
@@ -224,6 +238,49 @@ def write_report(root: Path, s, prof, plans, dist, ppl, bench, choice, zs, link,
     return summary
 
 
+def _zeroshot_section(zs: dict[str, Any], choice: dict[str, Any], acc_limit: float | None) -> list[str]:
+    """Each candidate's task accuracies (95% normal interval, ``1.96 sqrt(p (1 - p) / n)``) and its paired
+    average drop against dense, and the resolution: the widest and narrowest paired interval."""
+    import math
+
+    from syncdrop.auto.candidates import candidate_label
+
+    zs_source = (zs.get("data") or {}).get("source")
+    where = {"data-dir": " Documents from the data folder.",
+             "datasets": " Documents from the Hugging Face hub (datasets)."}.get(zs_source, "")
+    tasks = zs["tasks"]
+    cands = [c for c in choice["candidates"] if c.get("task_acc")]
+    widths = [(c["acc_drop_ci"][1] - c["acc_drop_ci"][0]) / 2 for c in cands if c.get("acc_drop_ci")]
+    resolution = ""
+    if widths:
+        resolution = (f" Resolution: the paired intervals' half-widths run from {min(widths):.1f} to "
+                      f"{max(widths):.1f} points (a plan that changes few answers is resolved with few documents; "
+                      "one that changes many needs more: raise `--zs-limit`).")
+        if acc_limit is not None and max(widths) > acc_limit:
+            resolution += (f" The widest is more than the {acc_limit:g}-point limit, so such a candidate cannot show "
+                           "that it holds the limit at this many documents.")
+    n = {t: len(next(iter(zs["doc_acc"].values()))[t]) for t in tasks}
+    md = ["## Zero-shot tasks", "",
+          f"lm-eval tasks, zero-shot, the first {zs['limit']} documents of each "
+          f"({', '.join(f'{t}: {n[t]}' for t in tasks)}).{where} Accuracy with its 95% interval; the drop is dense's "
+          "average accuracy minus the candidate's, in points, with a paired bootstrap interval over the same "
+          f"documents.{resolution}", "",
+          "| candidate | " + " | ".join(tasks) + " | average drop, points [95%] |",
+          "|---|" + "---:|" * len(tasks) + "---:|"]
+
+    def acc(p: float, k: int) -> str:
+        h = 1.96 * math.sqrt(p * (1 - p) / k) if k else float("nan")
+        return f"{p:.3f} [{max(0.0, p - h):.3f}, {min(1.0, p + h):.3f}]"
+
+    for c in sorted(cands, key=lambda c: (c.get("wire", "none") != "none", c.get("wire", "none"), c["fraction"])):
+        ci = c.get("acc_drop_ci")
+        drop = f"{c['acc_drop']:+.1f}" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
+        name = candidate_label(c) + (" (chosen)" if c is choice["chosen"] or c == choice["chosen"] else "")
+        md.append(f"| {name} ({c['variant']}) | " + " | ".join(acc(c["task_acc"][t], n[t]) for t in tasks)
+                  + f" | {drop} |")
+    return [*md, ""]
+
+
 def _ms(x: float | None, ci) -> str:
     if x is None:
         return "-"
@@ -236,16 +293,16 @@ def _ratio(x: float | None, ci) -> str:
     return f"{x:.3f}" + ("" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
 
 
-def _collectives(plans: dict[str, Any]) -> dict[float, int]:
-    """``{fraction: all-reduces per forward}`` of the candidate plans, asked of each saved plan file
+def _collectives(plans: dict[str, Any]) -> dict[str, int]:
+    """``{candidate key: all-reduces per forward}`` of the candidate plans, asked of each saved plan file
     (:attr:`syncdrop.plan.SyncPlan.collectives_per_forward`); a plan file that cannot be read is left out."""
     from syncdrop.errors import SyncdropError
     from syncdrop.plan import SyncPlan
 
     out = {}
-    for c in plans.get("candidates", {}).values():
+    for k, c in plans.get("candidates", {}).items():
         try:
-            out[c["fraction"]] = SyncPlan.load(c["path"]).collectives_per_forward
+            out[k] = SyncPlan.load(c["path"]).collectives_per_forward
         except (SyncdropError, KeyError, TypeError):
             continue
     return out

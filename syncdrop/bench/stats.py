@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 N_BOOT = 2000
 LEVEL = 0.95
@@ -97,3 +97,27 @@ def median_ratio_ci(a: Sequence[float], b: Sequence[float], paired: bool, seed: 
 
     return bootstrap_ci(stat, len(a), seed=seed)
 
+
+
+def paired_accuracy_drop(base: Mapping[str, Sequence[float]], other: Mapping[str, Sequence[float]],
+                         seed: int = 0) -> tuple[float, tuple[float, float] | None]:
+    """How many points of average zero-shot accuracy ``other`` loses against ``base``, scored on the same
+    documents: ``100 * mean_t mean_i (base[t][i] - other[t][i])`` (per-document accuracies 0/1 of task
+    ``t``, in the same document order), with its paired percentile bootstrap interval: each draw resamples
+    every task's documents with replacement (stratified by task), the same documents for both models. A
+    plan that changes no answer has the interval ``(0, 0)``; None when a task has fewer than 2 documents."""
+    if set(base) != set(other) or not base:
+        raise ValueError(f"paired accuracy needs the same tasks, got {sorted(base)} and {sorted(other)}")
+    diffs = []
+    for t in sorted(base):
+        if len(base[t]) != len(other[t]):
+            raise ValueError(f"paired accuracy needs the same documents of {t}, got {len(base[t])} and "
+                             f"{len(other[t])}")
+        diffs.append([b - o for b, o in zip(base[t], other[t], strict=True)])
+    point = 100 * sum(sum(d) / len(d) for d in diffs) / len(diffs)
+    if min(len(d) for d in diffs) < 2:
+        return point, None
+    rng = random.Random(seed)
+    values = sorted(100 * sum(sum(d[rng.randrange(len(d))] for _ in d) / len(d) for d in diffs) / len(diffs)
+                    for _ in range(N_BOOT))
+    return point, (values[int((1 - LEVEL) / 2 * (N_BOOT - 1))], values[int(math.ceil((1 + LEVEL) / 2 * (N_BOOT - 1)))])
