@@ -28,9 +28,10 @@ def row_key(row: dict[str, Any]) -> str:
 
 
 def candidate_label(c: dict[str, Any]) -> str:
-    """``SPD 0.5`` or ``SPD 0.5 + int8``: how the report and the reasons name a candidate."""
+    """``SPD 0.5``, ``SPD 0.5 + int8``, ``dense`` or ``dense + int8``: how the report and the reasons name a
+    candidate."""
     w = c.get("wire", "none")
-    return f"SPD {c['fraction']:g}" + ("" if w == "none" else f" + {w}")
+    return ("dense" if c["fraction"] == 0 else f"SPD {c['fraction']:g}") + ("" if w == "none" else f" + {w}")
 
 
 def parse_wires(wires: tuple[str, ...] | list[str], hidden: int | None = None) -> list[str]:

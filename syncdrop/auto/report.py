@@ -275,9 +275,9 @@ def _zeroshot_section(zs: dict[str, Any], choice: dict[str, Any], acc_limit: flo
     for c in sorted(cands, key=lambda c: (c.get("wire", "none") != "none", c.get("wire", "none"), c["fraction"])):
         ci = c.get("acc_drop_ci")
         drop = f"{c['acc_drop']:+.1f}" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
-        name = candidate_label(c) + (" (chosen)" if c is choice["chosen"] or c == choice["chosen"] else "")
-        md.append(f"| {name} ({c['variant']}) | " + " | ".join(acc(c["task_acc"][t], n[t]) for t in tasks)
-                  + f" | {drop} |")
+        chosen = ", chosen" if c == choice["chosen"] else ""
+        cells = " | ".join(acc(c["task_acc"][t], n[t]) for t in tasks)
+        md.append(f"| {candidate_label(c)} ({c['variant']}{chosen}) | {cells} | {drop} |")
     return [*md, ""]
 
 
