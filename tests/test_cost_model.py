@@ -32,17 +32,19 @@ from syncdrop.plan import parse_plan
 LATENCY = Path(__file__).resolve().parent.parent / "results" / "latency"
 NOEMUL, SHARE30, SHARE55 = (LATENCY / f"tp2_{n}.json" for n in ("none", "share30", "share55"))
 
-TRUE = {"alpha": 40e-6, "beta": 2e9, "flops": 20e9, "overhead": 0.5e-3, "sync": 0.0}
+TRUE = {"alpha": 40e-6, "beta": 2e9, "flops": 20e9, "overhead": 0.5e-3, "sync": 0.0, "codec": 0.0, "codec_b": 0.0}
 PLANS = ["none", "frac:0.3", "frac:0.5", "frac:0.7", "all"]
 
 
 def synthetic_bench(prompt_len: int, link: Link | None = None, noise: float = 0.02, seed: int = 0,
-                    model: str = "smollm2", tp: int = 2, decode_tokens: int = 8, true: dict = TRUE) -> dict:
+                    model: str = "smollm2", tp: int = 2, decode_tokens: int = 8, true: dict = TRUE,
+                    plan_specs: list[str] = PLANS) -> dict:
     """A bench-shaped result whose times come from the cost model with ``TRUE`` parameters, x (1 +- noise)."""
     rng = random.Random(seed)
     link = link or Link()
     cfg = MODELS[model]
-    comm = CommModel(true["alpha"], true["beta"], link.bandwidth, link.latency, true["sync"])
+    comm = CommModel(true["alpha"], true["beta"], link.bandwidth, link.latency, true["sync"],
+                     codec_s=true.get("codec", 0.0), codec_s_per_byte=true.get("codec_b", 0.0))
     compute = ComputeModel(true["flops"], true["overhead"])
     L, h = cfg.num_layers, cfg.hidden_size
 
@@ -56,13 +58,15 @@ def synthetic_bench(prompt_len: int, link: Link | None = None, noise: float = 0.
         ar[what] = {"tokens": tokens, "bytes": tokens * h * 4, "median_ms": sorted(samples)[2], "samples_ms": samples}
     plans = []
     ctx = prompt_len + (decode_tokens + 1) / 2
-    for spec in PLANS:
+    for spec in plan_specs:
         plan = parse_plan(spec, L)
         n = 2 * L - len(plan.dropped)
-        ttft = predict_ttft(cfg, tp, prompt_len, n, compute, comm)
-        dec = predict_decode(cfg, tp, round(ctx), n, compute, comm)
+        u, c = plan.comm_units(h, 4), plan.codec_units(h)
+        ttft = predict_ttft(cfg, tp, prompt_len, n, compute, comm, comm_units=u, codec_units=c)
+        dec = predict_decode(cfg, tp, round(ctx), n, compute, comm, comm_units=u, codec_units=c)
         plans.append({"plan": spec, "dropped": len(plan.dropped), "spd_fraction": plan.spd_fraction,
-                      "allreduces_per_forward": n, "ttft_ms": jitter(ttft) * 1e3, "decode_ms": jitter(dec) * 1e3})
+                      "allreduces_per_forward": n, "ttft_ms": jitter(ttft) * 1e3, "decode_ms": jitter(dec) * 1e3,
+                      **({"comm_units": u, "codec_units": c} if c else {})})
     return {"settings": {"model": model, "tp": tp, "prompt_len": prompt_len, "batch": 1,
                          "decode_tokens": decode_tokens, "reps": 5, "dtype": "float32", "link": link.to_dict(),
                          "hidden_size": h, "num_layers": L, "threads_per_rank": 1},
@@ -323,6 +327,30 @@ def test_calibration_recovers_sync_overhead(tmp_path) -> None:
     assert cal.sync_s == pytest.approx(2e-3, rel=0.15)
     assert cal.compute.flops_per_s == pytest.approx(TRUE["flops"], rel=0.1)
     assert calibrate(runs, fit_sync=False).sync_s == 0.0
+
+
+def test_calibration_recovers_codec_time_and_predicts_compressed_plans(tmp_path) -> None:
+    """Compressed sync points encode and decode on the ranks' cores: 0.3 ms per point plus 2 ms per MB of
+    payload here. Calibrated on un-emulated runs that include compressed plans, the fit recovers both terms
+    (and nothing when no plan compresses), and predicts the emulated runs of every plan within 3%; without
+    the codec terms the compressed plans' predictions would be short by the codec time."""
+    true = {**TRUE, "codec": 0.3e-3, "codec_b": 2e-9}
+    specs = ["none", "frac:0.5", "int8", "frac:0.5+int8", "int4:g32", "all+int8"]
+    runs = [load_bench(write(tmp_path / f"b{S}.json", synthetic_bench(S, seed=S, noise=0.002, true=true,
+                                                                      plan_specs=specs)), "--calibrate")
+            for S in (64, 256)]
+    cal = calibrate(runs)
+    assert cal.codec_s == pytest.approx(0.3e-3, rel=0.2) and cal.codec_s_per_byte == pytest.approx(2e-9, rel=0.2)
+    assert cal.compute.flops_per_s == pytest.approx(TRUE["flops"], rel=0.1)
+    plain = calibrate([load_bench(write(tmp_path / "p.json", synthetic_bench(128, seed=3)), "--calibrate")])
+    assert (plain.codec_s, plain.codec_s_per_byte) == (0.0, 0.0)
+    emulated = load_bench(write(tmp_path / "e.json", synthetic_bench(128, Link(1e8, 50e-6), seed=9, noise=0.002,
+                                                                     true=true, plan_specs=specs)))
+    rows = [r for r in check(cal, [emulated]) if r["what"] == "ttft"]
+    assert len(rows) == len(specs) and max(abs(r["rel_err"]) for r in rows) < 0.03
+    codec_free = Calibration(cal.alpha, cal.beta, cal.sync_s, cal.compute, cal.files, 0, 0)
+    short = {r["plan"]: r["rel_err"] for r in check(codec_free, [emulated]) if r["what"] == "ttft"}
+    assert short["int8"] < short["none"] - 0.01
 
 
 def test_calibration_predicts_emulated_runs(tmp_path) -> None:

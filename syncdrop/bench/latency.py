@@ -222,7 +222,7 @@ def summarize(plans: list[tuple[str, SyncPlan]], samples: dict[str, dict[str, li
         row = {
             "plan": spec, "plan_summary": plan.summary(), "dropped": len(plan.dropped),
             "spd_fraction": plan.spd_fraction, "allreduces_per_forward": plan.collectives_per_forward,
-            "comm_units": units[spec], "partial": plan.has_partial,
+            "comm_units": units[spec], "codec_units": plan.codec_units(hidden), "partial": plan.has_partial,
             "sync_points": [[p.block, p.where, p.payload] for p in plan.sync_points(hidden)],
             "ranks_diverge": plan.ranks_diverge, "vocab_gather": plan.needs_vocab_gather,
             "ideal_saving_isolated_ms": n_drop * ar["prefill"]["median_ms"],

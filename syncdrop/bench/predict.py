@@ -141,6 +141,9 @@ def _check_markdown(cal: Calibration, rows: list[dict[str, Any]], summary: dict[
              f"{cal.sync_s * 1e3:.3f} ms more",
              f"- compute: F_eff = {c.flops_per_s / 1e9:.2f} GFLOP/s per rank, per-layer overhead "
              f"{c.layer_overhead_s * 1e3:.3f} ms ({cal.compute_points} points)",
+             *([f"- codec (compressed sync points): {cal.codec_s * 1e3:.3f} ms per sync point + "
+                f"{cal.codec_s_per_byte * 1e9:.3f} ms per MB of its payload"] if cal.codec_s or cal.codec_s_per_byte
+               else []),
              *[f"- fit note: {n}" for n in cal.fit_notes], "",
              "## Predicted vs measured", "",
              "| link | S | what | plan | SPD | AR/fwd | measured ms | predicted ms | error |",

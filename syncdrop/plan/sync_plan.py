@@ -223,6 +223,12 @@ class SyncPlan:
         full = hidden * element_size
         return float(sum(m.wire_bytes(1, hidden, element_size) / full for m in self.modes() if m.issues_collective))
 
+    def codec_units(self, hidden: int) -> float:
+        """Payload that one forward encodes and decodes, in full-all-reduce units: the payload fractions of
+        the sync points with a wire format (:attr:`SyncMode.codec`: compressed, or partial with a wire); the
+        cost model charges it the codec time per byte it fits (:mod:`syncdrop.bench.cost.fit`)."""
+        return float(sum(m.payload(hidden) for m in self.modes() if m.issues_collective and m.codec is not None))
+
     @property
     def ranks_diverge(self) -> bool:
         """True when the residual streams of different ranks can differ somewhere in a forward

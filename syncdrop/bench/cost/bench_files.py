@@ -10,6 +10,7 @@ to ``S + i`` keys, so the mean context of a decode step is::
 Older formats are read as they were written:
 
 * no ``comm_units`` in a plan row: no partial plans then, ``u = n_ar`` (every collective a full payload);
+* no ``codec_units``: no compressed sync points then (``0``);
 * ``partial`` instead of ``vocab_gather``: the plan had the vocab-parallel LM head;
 * ``settings.link`` without ``formula``: the emulation waited ``latency + n / bandwidth`` per
   all-reduce whatever ``N`` (``flat``, :class:`syncdrop.bench.ring.Link`);
@@ -52,7 +53,7 @@ class BenchRun:
     emu_latency: float
     threads_per_rank: int | None
     allreduce: dict[str, tuple[int, float]]  # phase -> (bytes, median seconds)
-    # per plan: plan, spd_fraction, allreduces_per_forward, comm_units, vocab_gather, ttft_s, decode_s
+    # per plan: plan, spd_fraction, allreduces_per_forward, comm_units, codec_units, vocab_gather, ttft_s, decode_s
     plans: list[dict[str, Any]]
     emu_formula: str = "ring"  # "flat": written before the ring emulation (syncdrop.bench.link.Link)
     allreduce_sizes: tuple[tuple[int, float], ...] = ()  # (bytes, median seconds) of every payload timed
@@ -101,6 +102,7 @@ def bench_result(d: Any, where: str, path: str = "") -> BenchRun:
         plans = [{"plan": str(r["plan"]), "spd_fraction": float(r["spd_fraction"]),
                   "allreduces_per_forward": int(r["allreduces_per_forward"]),
                   "comm_units": float(r.get("comm_units", r["allreduces_per_forward"])),
+                  "codec_units": float(r.get("codec_units", 0.0)),
                   "vocab_gather": bool(r.get("vocab_gather", r.get("partial", False))),
                   "ttft_s": float(r["ttft_ms"]) / 1e3, "decode_s": float(r["decode_ms"]) / 1e3}
                  for r in d["plans"]]

@@ -31,10 +31,10 @@ def check(cal: Calibration, runs: list[BenchRun]) -> list[dict[str, Any]]:
                          "measured_ms": t * 1e3, "predicted_ms": pred * 1e3, "rel_err": pred / t - 1,
                          "calibration": r.path in cal.files})
         for p in r.plans:
-            n, u, vp = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"]
-            ttft = predict_ttft(r.cfg, r.tp, r.prompt_len, n, cal.compute, comm, r.batch, r.dtype_bytes, vp, u)
+            n, u, vp, c = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"], p["codec_units"]
+            ttft = predict_ttft(r.cfg, r.tp, r.prompt_len, n, cal.compute, comm, r.batch, r.dtype_bytes, vp, u, c)
             dec = predict_decode(r.cfg, r.tp, round(r.decode_context), n, cal.compute, comm, r.batch, r.dtype_bytes,
-                                 vp, u)
+                                 vp, u, c)
             for what, pred, meas in (("ttft", ttft, p["ttft_s"]), ("decode", dec, p["decode_s"])):
                 rows.append({"file": r.path, "link": r.link_label, "prompt_len": r.prompt_len, "what": what,
                              "plan": p["plan"], "spd_fraction": p["spd_fraction"], "allreduces_per_forward": n,

@@ -23,6 +23,11 @@ A forward's ``n_ar`` collectives (the plan's ``collectives_per_forward``; a part
 collective) carry ``u`` full payloads (``comm_units(h)``: ``k/h`` per partial sync). ``T_ar`` is
 affine in the payload, so they cost ``n_ar * T_ar(0) + u * (T_ar(n) - T_ar(0))``, which is
 ``n_ar * T_ar(n)`` when no sync is partial (``u = n_ar``).
+
+A sync point with a low-bit wire format (:mod:`syncdrop.plan.wire`) also encodes and decodes its payload on
+the ranks' own cores: ``c`` payloads of ``n`` bytes per forward (``SyncPlan.codec_units(h)``) cost
+``c * (t_codec0 + n * t_codec)`` more (a fixed cost per encoded point, and seconds per payload byte), both
+fitted on un-emulated runs.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class CommModel:
     emu_latency: float = 0.0
     sync_s: float = 0.0
     emu_formula: str = "ring"
+    codec_s: float = 0.0  # encode + decode of a compressed sync point: fixed part
+    codec_s_per_byte: float = 0.0  # and per byte of its payload
 
     @property
     def emulated_link(self) -> Link:
@@ -64,16 +71,18 @@ class CommModel:
         return self.collective(n_bytes, n_ranks) + (self.sync_s if n_ranks > 1 else 0.0)
 
     def forward(self, n_bytes: float, n_ranks: int, collectives: int, units: float | None = None,
-                in_forward: bool = True) -> float:
+                in_forward: bool = True, codec_units: float = 0.0) -> float:
         """The collectives of one forward: ``collectives`` sync points whose payloads sum to ``units``
         full payloads of ``n_bytes`` (default ``units = collectives``: none partial). ``T_ar`` is
         affine in bytes, so this is ``collectives * T(0) + units * (T(n) - T(0))`` with ``T`` =
-        :meth:`allreduce` (or :meth:`collective`, without the per-sync cost, when not ``in_forward``)."""
+        :meth:`allreduce` (or :meth:`collective`, without the per-sync cost, when not ``in_forward``);
+        plus ``codec_units * (codec_s + n_bytes * codec_s_per_byte)`` in a forward with ``n_ranks > 1``."""
         t = self.allreduce if in_forward else self.collective
+        codec = codec_units * (self.codec_s + n_bytes * self.codec_s_per_byte) if in_forward and n_ranks > 1 else 0.0
         if units is None or units == collectives:
-            return collectives * t(n_bytes, n_ranks)
+            return collectives * t(n_bytes, n_ranks) + codec
         fixed = t(0.0, n_ranks)
-        return collectives * fixed + units * (t(n_bytes, n_ranks) - fixed)
+        return collectives * fixed + units * (t(n_bytes, n_ranks) - fixed) + codec
 
     def with_emulation(self, bandwidth: float | None, latency: float, formula: str = "ring") -> CommModel:
         """This model with the emulated link ``bandwidth``/``latency`` (a bench file's ``settings.link``)."""

@@ -7,7 +7,10 @@
 2. ``1 / F_eff``, ``t_layer`` and ``t_sync`` by non-negative relative least squares over every plan's
    TTFT and decode step of those files::
 
-       T_measured - n_ar * T_ring = FLOPs / F_eff + L t_layer + n_ar t_sync
+       T_measured - n_ar * T_ring = FLOPs / F_eff + L t_layer + n_ar t_sync + c (t_codec0 + n t_codec)
+
+   (``c``: the payloads a plan's compressed sync points encode, ``SyncPlan.codec_units``, ``n`` the payload
+   bytes; the two codec terms are fitted only when some plan compresses)
 
    (``n_ar * T_ring`` becomes the plan's collectives at their ring cost when some syncs are partial;
    plans differ in ``n_ar``, prefill and decode in FLOPs, which is what separates the three).
@@ -102,6 +105,8 @@ class ComputePoint:
     ring_s: float
     measured_s: float
     comm_s: float | None = None
+    codec_units: float = 0.0  # payloads encoded per forward (compressed sync points)
+    payload_bytes: float = 0.0  # bytes of one full sync-point payload
 
     @property
     def ring_total_s(self) -> float:
@@ -109,28 +114,33 @@ class ComputePoint:
 
 
 def fit_compute(points: list[ComputePoint], fit_overhead: bool = True,
-                fit_sync: bool = True) -> tuple[ComputeModel, float]:
-    """``(ComputeModel(F_eff, t_layer), sync_s)`` by relative non-negative least squares on
+                fit_sync: bool = True) -> tuple[ComputeModel, float, tuple[float, float]]:
+    """``(ComputeModel(F_eff, t_layer), sync_s, (codec_s, codec_s_per_byte))`` by relative non-negative
+    least squares on
 
-    ``T_measured - n_ar * T_ring = FLOPs * (1/F_eff) + L * t_layer + n_ar * sync_s``.
+    ``T_measured - n_ar * T_ring = FLOPs * (1/F_eff) + L * t_layer + n_ar * sync_s
+    + c * (codec_s + n * codec_s_per_byte)``.
 
     ``t_layer`` is fitted only when the FLOP counts differ (prefill and decode points, or several
     prompt lengths) and ``fit_overhead``; ``sync_s`` only when the sync-point counts differ (several
-    plans) and ``fit_sync``.
+    plans) and ``fit_sync``; the codec terms only when some point encodes (``c > 0``).
     """
     pts = [p for p in points if p.measured_s > 0]
     if not pts:
         raise SyncdropError("--calibrate: no measured forwards to fit the compute rate")
     use_o = fit_overhead and len({round(p.work.flops) for p in pts}) > 1
     use_s = fit_sync and len({p.n_allreduce for p in pts}) > 1
+    use_c = any(p.codec_units > 0 for p in pts)
     X = [[p.work.flops / p.measured_s, (p.work.layers if use_o else 0.0) / p.measured_s,
-          (p.n_allreduce if use_s else 0.0) / p.measured_s] for p in pts]
+          (p.n_allreduce if use_s else 0.0) / p.measured_s,
+          *([p.codec_units / p.measured_s, p.codec_units * p.payload_bytes / p.measured_s] if use_c else [])]
+         for p in pts]
     y = [(p.measured_s - p.ring_total_s) / p.measured_s for p in pts]
-    inv_f, o, sync = _nnls(X, y)
+    inv_f, o, sync, *codec = _nnls(X, y)
     if inv_f <= 0:
         raise SyncdropError("--calibrate: could not fit a positive compute rate (all-reduces explain "
                             "all the measured time?)")
-    return ComputeModel(1.0 / inv_f, o), sync
+    return ComputeModel(1.0 / inv_f, o), sync, (codec[0], codec[1]) if codec else (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -145,16 +155,20 @@ class Calibration:
     allreduce_points: int
     compute_points: int
     fit_notes: tuple[str, ...] = ()
+    codec_s: float = 0.0  # per compressed sync point (encode + decode), fixed part
+    codec_s_per_byte: float = 0.0  # and per byte of its payload
 
     @property
     def comm(self) -> CommModel:
-        return CommModel(self.alpha, self.beta, sync_s=self.sync_s)
+        return CommModel(self.alpha, self.beta, sync_s=self.sync_s, codec_s=self.codec_s,
+                         codec_s_per_byte=self.codec_s_per_byte)
 
     def to_dict(self) -> dict[str, Any]:
         return {"files": list(self.files), "alpha_s": self.alpha, "beta_Bps": self.beta,
                 "sync_overhead_s": self.sync_s, "flops_per_s": self.compute.flops_per_s,
                 "layer_overhead_s": self.compute.layer_overhead_s,
                 "allreduce_points": self.allreduce_points, "compute_points": self.compute_points,
+                "codec_s": self.codec_s, "codec_s_per_byte": self.codec_s_per_byte,
                 "fit_notes": list(self.fit_notes)}
 
 
@@ -177,12 +191,14 @@ def calibrate(runs: list[BenchRun], fit_overhead: bool = True, fit_sync: bool = 
         b_dec = r.batch * r.cfg.hidden_size * r.dtype_bytes
         t_pre, t_dec = comm.collective(b_pre, r.tp), comm.collective(b_dec, r.tp)
         for p in r.plans:
-            n, u, vp = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"]
+            n, u, vp, c = p["allreduces_per_forward"], p["comm_units"], p["vocab_gather"], p["codec_units"]
             pre = prefill_work(r.cfg, r.tp, r.prompt_len, r.batch, r.dtype_bytes, vp)
-            pts.append(ComputePoint(pre, n, t_pre, p["ttft_s"], comm.forward(b_pre, r.tp, n, u, in_forward=False)))
+            pts.append(ComputePoint(pre, n, t_pre, p["ttft_s"], comm.forward(b_pre, r.tp, n, u, in_forward=False),
+                                    c, b_pre))
             if use_decode and r.decode_tokens >= 1:
                 dec = decode_work(r.cfg, r.tp, round(r.decode_context), r.batch, r.dtype_bytes, vp)
                 pts.append(ComputePoint(dec, n, t_dec, p["decode_s"],
-                                        comm.forward(b_dec, r.tp, n, u, in_forward=False)))
-    compute, sync = fit_compute(pts, fit_overhead, fit_sync)
-    return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts), tuple(notes))
+                                        comm.forward(b_dec, r.tp, n, u, in_forward=False), c, b_dec))
+    compute, sync, (codec_s, codec_b) = fit_compute(pts, fit_overhead, fit_sync)
+    return Calibration(alpha, beta, sync, compute, tuple(r.path for r in runs), len(ar_pts), len(pts), tuple(notes),
+                       codec_s, codec_b)

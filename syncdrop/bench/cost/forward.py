@@ -23,19 +23,20 @@ from syncdrop.models.config import ModelConfig
 
 def predict_ttft(cfg: ModelConfig, n_ranks: int, seq: int, n_allreduce: int, compute: ComputeModel,
                  comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False,
-                 comm_units: float | None = None) -> float:
+                 comm_units: float | None = None, codec_units: float = 0.0) -> float:
     """Seconds to first token: prefill compute + ``n_allreduce`` all-reduces of ``(B*S, h)`` whose
-    payloads sum to ``comm_units`` full ones (default: ``n_allreduce``, no partial sync)."""
+    payloads sum to ``comm_units`` full ones (default: ``n_allreduce``, no partial sync), ``codec_units`` of
+    them encoded (:meth:`CommModel.forward`)."""
     work = prefill_work(cfg, n_ranks, seq, batch, dtype_bytes, lm_head_parallel)
     payload = batch * seq * cfg.hidden_size * dtype_bytes
-    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units)
+    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units, codec_units=codec_units)
 
 
 def predict_decode(cfg: ModelConfig, n_ranks: int, context: int, n_allreduce: int, compute: ComputeModel,
                    comm: CommModel, batch: int = 1, dtype_bytes: int = 4, lm_head_parallel: bool = False,
-                   comm_units: float | None = None) -> float:
+                   comm_units: float | None = None, codec_units: float = 0.0) -> float:
     """Seconds per decode step at ``context`` keys: compute + ``n_allreduce`` all-reduces of ``(B, h)``
     whose payloads sum to ``comm_units`` full ones (default: ``n_allreduce``)."""
     work = decode_work(cfg, n_ranks, context, batch, dtype_bytes, lm_head_parallel)
     payload = batch * cfg.hidden_size * dtype_bytes
-    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units)
+    return compute.time(work) + comm.forward(payload, n_ranks, n_allreduce, comm_units, codec_units=codec_units)
