@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from syncdrop.cli import main
+from syncdrop.errors import SyncdropError
 from syncdrop.models.loading import resolve_model
 from syncdrop.parallel.sharding import distilled_layouts
 from syncdrop.plan import SyncPlan
@@ -60,11 +61,11 @@ def test_sequential_resume_reuses_blocks_and_recomputes_the_stream(tiny_llama_di
     assert again["blocks"]["1"]["stats"]["heldout_loss"] == first["blocks"]["1"]["stats"]["heldout_loss"]
 
 
-def _e2e(start: str, out, stop_after=None, adapter="full", epochs=2, lr=2e-3, n_train=4, seq=24):
+def _e2e(start: str, out, stop_after=None, adapter="full", epochs=2, lr=2e-3, n_train=4, seq=24, schedule="constant"):
     src = resolve_model(start)
     w = _windows(src.config.vocab_size, n_train + 4, seq, seed=2)
     plan = SyncPlan.uniform(src.config.num_layers, "drop")
-    s = E2ESettings(lr=lr, epochs=epochs, adapter=adapter, rank=4, alpha=8.0, ckpt_every=3)
+    s = E2ESettings(lr=lr, epochs=epochs, adapter=adapter, rank=4, alpha=8.0, ckpt_every=3, lr_schedule=schedule)
     return e2e_distill(start, TP, plan, w[:n_train], w[n_train:], out, s, {"dataset": "ids"}, progress=False,
                        stop_after=stop_after)
 
@@ -139,6 +140,26 @@ def test_interrupted_e2e_resumes_to_the_same_result(tiny_llama_dir, tmp_path) ->
         a = load_file(str(tmp_path / "whole" / whole["blocks"][i]["file"]))
         b = load_file(str(tmp_path / "cut" / resumed["blocks"][i]["file"]))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_linear_lr_schedule_decays_to_zero_and_resumes_exactly(tiny_llama_dir, tmp_path) -> None:
+    """``lr_schedule="linear"``: step k of n trains at lr (1 - k / n); it changes the result (against the
+    constant rate), and an interrupted run resumes to the same weights (the rate follows the global step)."""
+    s = E2ESettings(lr=1e-3, lr_schedule="linear")
+    assert [s.lr_at(k, 4) for k in range(4)] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    assert E2ESettings(lr=1e-3).lr_at(3, 4) == 1e-3
+    with pytest.raises(SyncdropError, match="e2e_lr_schedule"):
+        E2ESettings(lr_schedule="cosine").check()
+    whole = _e2e(str(tiny_llama_dir), tmp_path / "whole", schedule="linear")
+    const = _e2e(str(tiny_llama_dir), tmp_path / "const")
+    assert whole["distill"]["e2e"]["train_curve"][1:] != const["distill"]["e2e"]["train_curve"][1:]
+    assert _e2e(str(tiny_llama_dir), tmp_path / "cut", stop_after=5, schedule="linear") == {"stopped_at": 5}
+    resumed = _e2e(str(tiny_llama_dir), tmp_path / "cut", schedule="linear")
+    assert resumed["distill"]["e2e"]["train_curve"] == whole["distill"]["e2e"]["train_curve"]
+    for i in ("0", "1"):
+        a = load_file(str(tmp_path / "whole" / whole["blocks"][i]["file"]))
+        b = load_file(str(tmp_path / "cut" / resumed["blocks"][i]["file"]))
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_distill_cli_methods_and_bad_input(tiny_llama_dir, text_file, tmp_path, capsys) -> None:

@@ -44,6 +44,9 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                         "budget left after the block stage pays for, shared by the candidates that get the stage; "
                         "more windows were worth more than more epochs, docs/spd.md)")
     p.add_argument("--e2e-epochs", type=int, default=1, help="end-to-end distillation epochs (default 1)")
+    p.add_argument("--e2e-lr-schedule", default="constant", choices=("constant", "linear"),
+                   help="end-to-end learning rate: constant (default) or linear decay to 0 over the run "
+                        "(docs/spd.md: the window order's effect on the result)")
     p.add_argument("--e2e-lr", type=float, default=3e-5,
                    help="end-to-end distillation learning rate (default 3e-5, scanned: docs/spd.md)")
     p.add_argument("--tau1", default="0", help="zero-shot tier bound (default 0: see docs/spd.md)")
@@ -112,7 +115,8 @@ def cmd_auto(args: argparse.Namespace) -> int:
                      args.tau2, args.eval_windows, args.zs_tasks, args.zs_limit, args.prompt_len, args.decode_tokens,
                      args.reps, args.data_dir, args.device, args.max_reps, args.engine,
                      recovery_budget=args.recovery_budget, e2e_samples=e2e_samples, e2e_epochs=args.e2e_epochs,
-                     e2e_lr=args.e2e_lr, wires=wires, max_acc_drop=acc_limit)
+                     e2e_lr=args.e2e_lr, wires=wires, max_acc_drop=acc_limit,
+                     e2e_lr_schedule=args.e2e_lr_schedule)
     res = run_auto(s, args.out, progress=not args.quiet)
     c = res["chosen"]
     ttft = "" if c["measured_ttft_ms"] is None else f", measured TTFT {c['measured_ttft_ms']:.1f} ms"

@@ -110,6 +110,7 @@ class AutoSettings:
     e2e_lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md)
     wires: tuple[str, ...] = ("none", "int8")  # wire formats of the kept sync points: each SPD fraction with each
     max_acc_drop: float | None = 5.0  # zero-shot limit: points of average accuracy (over --zs-tasks) lost to dense
+    e2e_lr_schedule: str = "constant"  # or "linear": decay to 0 over the run
 
     def runtime(self):
         """The single-process runtime of the stages other than the bench (whose ranks run_bench starts)."""
@@ -207,7 +208,7 @@ def run_auto(s: AutoSettings, out: str | Path, progress: bool = True) -> dict[st
                    lambda: _plans(s, root, fractions, prof, st.sha256["profile"], wires))
     uncompressed = {k: c for k, c in plans["candidates"].items() if c.get("wire", "none") == "none"}
     dist = st.run("distill", [_result_key({"candidates": uncompressed}), s.distill_samples, s.distill_epochs, s.lr,
-                              s.seq_len, s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr],
+                              s.seq_len, s.recovery_budget, s.e2e_samples, s.e2e_epochs, s.e2e_lr, s.e2e_lr_schedule],
                   lambda: _distill(s, root, plans, calib))
     ppl = st.run("ppl", [_result_key(plans), _result_key(dist), s.eval_windows, s.seq_len, test.info()],
                  lambda: _ppl(s, plans, dist, test))
@@ -308,7 +309,7 @@ def _distill(s: AutoSettings, root: Path, plans: dict[str, Any], calib=None) -> 
     data, w = _windows(source, calib or "auto:valid", s.seq_len, max(s.distill_samples, want) + held, s.data_dir,
                        required=max(s.distill_samples, s.e2e_samples or 1) + held)
     train_w, held_w = w[:-held], w[-held:]
-    e2e_settings = E2ESettings(s.e2e_lr, s.e2e_epochs)
+    e2e_settings = E2ESettings(s.e2e_lr, s.e2e_epochs, lr_schedule=s.e2e_lr_schedule)
     e2e_settings.check()
     probes = {"block_step_s": 0.0, "e2e_step_s": 0.0}
     if budget > 0 and n_trained:

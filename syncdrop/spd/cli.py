@@ -242,6 +242,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--e2e-epochs", type=int, default=1, help="+e2e: passes over the training windows (default 1)")
     p.add_argument("--e2e-lr", type=float, default=3e-5,
                    help="+e2e: AdamW learning rate (default 3e-5, the best of 1e-5/3e-5/1e-4 in docs/spd.md)")
+    p.add_argument("--e2e-lr-schedule", default="constant", choices=("constant", "linear"),
+                   help="+e2e: constant rate (default) or linear decay to 0 over the run (docs/spd.md)")
     p.add_argument("--e2e-adapter", default="full", choices=("full", "lora"),
                    help="+e2e: train all weights of the dropped blocks (default) or LoRA factors, merged after")
     p.add_argument("--lora-rank", type=int, default=8, help="+e2e with lora: rank r (default 8; alpha = 2r)")
@@ -259,7 +261,7 @@ def _e2e_settings(args: argparse.Namespace):
     from syncdrop.spd.e2e import E2ESettings
 
     return E2ESettings(args.e2e_lr, args.e2e_epochs, args.e2e_adapter, args.lora_rank, 2.0 * args.lora_rank,
-                       args.weight_decay, args.seed)
+                       args.weight_decay, args.seed, lr_schedule=args.e2e_lr_schedule)
 
 
 def _print_e2e(args: argparse.Namespace, manifest: dict) -> None:

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "e2e_state.safetensors"
 ADAPTER_FILE = "lora_adapters.safetensors"  # LoRA only: the factors A, B per matrix (already merged)
 ADAPTERS = ("full", "lora")
+LR_SCHEDULES = ("constant", "linear")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class E2ESettings:
     weight_decay: float = 0.0
     seed: int = 0
     ckpt_every: int = 50
+    lr_schedule: str = "constant"  # or "linear": lr * (1 - step / steps), decaying to 0 at the last step
 
     def check(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -81,6 +83,13 @@ class E2ESettings:
             raise SyncdropError(f"must be at least 1, got {self.rank}", field="lora_rank")
         if self.ckpt_every < 1:
             raise SyncdropError(f"must be at least 1, got {self.ckpt_every}", field="ckpt_every")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise SyncdropError(f"must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}",
+                                field="e2e_lr_schedule")
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based) of ``steps``."""
+        return self.lr if self.lr_schedule == "constant" else self.lr * (1 - step / steps)
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -252,6 +261,8 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
               "calib": calib, **asdict(settings), "train_windows": list(train_windows.shape),
               "held_windows": list(held_windows.shape)}
     common.pop("ckpt_every")
+    if settings.lr_schedule == "constant":  # state and block files from before the option stay valid
+        common.pop("lr_schedule")
     if dtype != torch.float32:  # float32 state and block files from before the option stay valid
         common["dtype"] = str(dtype).removeprefix("torch.")
     sha = _sha(common)
@@ -280,6 +291,8 @@ def e2e_distill(start: str, tp: int, plan: SyncPlan, train_windows: torch.Tensor
             epoch, pos = divmod(meta["step"], n_train)
             order = torch.randperm(n_train, generator=torch.Generator().manual_seed(settings.seed * 7919 + epoch))
             j = int(order[pos])
+            for group in opt.param_groups:
+                group["lr"] = settings.lr_at(meta["step"], total_steps)
             loss = _step(student, teacher, opt, train_windows[j : j + 1].to(device))
             meta["train_curve"].append(loss.item())
             meta["step"] += 1
