@@ -169,6 +169,8 @@ def test_auto_bad_input(capsys) -> None:
     assert "--tp must be at least 2" in capsys.readouterr().err
     assert main(["auto", "--fractions", "0,2", "--out", "/tmp/never"]) == 2
     assert "between 0 and 1" in capsys.readouterr().err
+    assert main(["auto", "--model", "smollm2", "--wire", "none,int8:g10", "--out", "/tmp/never"]) == 2
+    assert "--wire 'int8:g10': wire group size 10 does not divide the hidden size 576" in capsys.readouterr().err
     assert main(["auto", "--wire", "none,int3", "--out", "/tmp/never"]) == 2
     assert "--wire 'int3': wire format must be one of" in capsys.readouterr().err
     assert main(["auto", "--max-acc-drop", "lots", "--out", "/tmp/never"]) == 2

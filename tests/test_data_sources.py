@@ -284,10 +284,10 @@ def test_auto_zero_shot_is_skipped_with_the_reason(fresh) -> None:
     machine-specific path); with an explicit --data-dir the reason names that flag."""
     from syncdrop.auto.pipeline import AutoSettings, _zeroshot
 
-    got = _zeroshot(AutoSettings(zs_tasks="arc_easy,piqa"), fresh, {})
+    got = _zeroshot(AutoSettings(zs_tasks="arc_easy,piqa"), fresh, {}, {}, {})
     assert got == {"skipped": "the lm-eval task files for arc_easy, piqa are not in the data folder ($SYNCDROP_DATA "
                               "or ../shared/data) and the Hugging Face hub cannot be used (HF_HUB_OFFLINE is set)"}
-    flag = _zeroshot(AutoSettings(zs_tasks="piqa", data_dir=str(fresh / "empty")), fresh, {})
+    flag = _zeroshot(AutoSettings(zs_tasks="piqa", data_dir=str(fresh / "empty")), fresh, {}, {}, {})
     assert flag == {"skipped": "the lm-eval task files for piqa are not all in --data-dir"}
 
 

@@ -34,13 +34,20 @@ def candidate_label(c: dict[str, Any]) -> str:
     return ("dense" if c["fraction"] == 0 else f"SPD {c['fraction']:g}") + ("" if w == "none" else f" + {w}")
 
 
-def parse_wires(wires: tuple[str, ...] | list[str], hidden: int | None = None) -> list[str]:
+DEFAULT_WIRES = ("none", "int8")
+
+
+def parse_wires(wires: tuple[str, ...] | list[str] | None, hidden: int | None = None) -> list[str]:
     """``none`` first, then each other wire format once, checked (:func:`syncdrop.plan.wire.parse_wire`; with
-    ``hidden``, its group size must divide the payload)."""
+    ``hidden``, its group size must divide the payload). ``None``: :data:`DEFAULT_WIRES`, leaving out (with a
+    warning) a format whose default group size does not divide ``hidden``; a format the user named is an
+    error then."""
+    import logging
+
     from syncdrop.plan.wire import parse_wire
 
     out = ["none"]
-    for w in wires:
+    for w in DEFAULT_WIRES if wires is None else wires:
         w = w.strip()
         if w in out or not w:
             continue
@@ -49,7 +56,11 @@ def parse_wires(wires: tuple[str, ...] | list[str], hidden: int | None = None) -
             try:
                 fmt.check(hidden)
             except SyncdropError as e:
-                raise SyncdropError(f"--wire {w!r}: {e.message}") from None
+                if wires is not None:
+                    raise SyncdropError(f"--wire {w!r}: {e.message}") from None
+                logging.getLogger(__name__).warning("no %s candidates: %s (pass --wire with a group, e.g. %s:g16)",
+                                                    w, e.message, w)
+                continue
         out.append(w)
     return out
 

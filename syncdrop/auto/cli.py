@@ -22,10 +22,11 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
                    help="accuracy budget: relative perplexity increase (default 0.05 = 5%%)")
     g.add_argument("--spd", type=float, default=None, help="fixed SPD fraction instead of a budget")
     p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="candidate SPD fractions")
-    p.add_argument("--wire", default="none,int8",
+    p.add_argument("--wire", default=None,
                    help="wire formats for the sync points each candidate keeps, comma-separated: none (full "
                         "precision), int8, fp8, int4, bf16, with :gG for the group size, e.g. none,int8,int4:g32 "
-                        "(default none,int8); every SPD fraction is a candidate with each")
+                        "(default none,int8, leaving int8 out with a warning where its groups of 64 do not divide "
+                        "the hidden size); every SPD fraction is a candidate with each")
     p.add_argument("--max-acc-drop", default="5",
                    help="zero-shot limit: points of average accuracy over --zs-tasks a candidate may lose to dense, "
                         "judged on the upper end of a paired 95%% interval over the same documents (default 5; "
@@ -106,8 +107,8 @@ def cmd_auto(args: argparse.Namespace) -> int:
             acc_limit = float(args.max_acc_drop)
         except ValueError:
             raise SyncdropError(f"--max-acc-drop {args.max_acc_drop!r}: expected a number of points or none") from None
-    wires = tuple(w.strip() for w in args.wire.split(",") if w.strip())
-    if not wires:
+    wires = None if args.wire is None else tuple(w.strip() for w in args.wire.split(",") if w.strip())
+    if wires == ():
         raise SyncdropError(f"--wire {args.wire!r}: expected wire formats, e.g. none,int8")
     budget = args.max_ppl_increase if args.max_ppl_increase is not None else (None if args.spd is not None else 0.05)
     s = AutoSettings(args.model, args.tp, args.link_bandwidth, args.link_latency, budget, args.spd, fractions,

@@ -108,7 +108,7 @@ class AutoSettings:
     e2e_samples: int | None = None  # end-to-end windows per candidate; None: as many as the budget pays for
     e2e_epochs: int = 1
     e2e_lr: float = 3e-5  # the best of the scanned 1e-5, 3e-5, 1e-4 (docs/spd.md)
-    wires: tuple[str, ...] = ("none", "int8")  # wire formats of the kept sync points: each SPD fraction with each
+    wires: tuple[str, ...] | None = None  # wire formats of the kept sync points (None: none, int8 where it fits)
     max_acc_drop: float | None = 5.0  # zero-shot limit: points of average accuracy (over --zs-tasks) lost to dense
     e2e_lr_schedule: str = "constant"  # or "linear": decay to 0 over the run
 
