@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env bench-forward latency vllm-latency launch-stress fresh-clone \
-	gpu-check gpu-check-dry compressed-ppl compression-profile wire-codec clean
+	gpu-check gpu-check-dry compressed-ppl compression-profile compressed-speed wire-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -85,6 +85,16 @@ compressed-ppl: $(STAMP)
 compression-profile: $(STAMP)
 	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int8 --out results/compression_profile/tp3_int8.json
 	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int4:g32 --out results/compression_profile/tp3_int4g32.json
+
+# compressed sync side by side (docs/compression.md): dense with fp32 and bf16 wires, SPD 70%, int8, int4 and both
+# combined, in vLLM with the plugin, stock vLLM and syncdrop's runtime (TP=2, synthetic 8-head model)
+COMPRESSED_PLANS = none,bf16,frac:0.7,int8,int4,frac:0.7+int8,frac:0.7+int4
+compressed-speed: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 100MB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp2_100MBps
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --parts syncdrop \
+		--out results/compressed_speed/tp2_1GBps
 
 wire-codec: $(STAMP)
 	$(BIN)/python benchmarks/wire_codec.py --out results/wire_codec/cpu

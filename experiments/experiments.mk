@@ -10,7 +10,7 @@ EXP := experiments
 	zero-shot-spd zero-shot-recovery zero-shot-gutenberg cost-model \
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
-	recovery-full recovery-order recovery-gap recovery-compare
+	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread
 
 # ---- SPD block design, SPD fraction sweeps, B2B learning rate ------------------------------------------------
 
@@ -276,3 +276,9 @@ cost-model: $(STAMP)
 	$(BIN)/syncdrop predict --cluster llama2-70b --json results/cost_model.json
 	$(BIN)/syncdrop predict --cluster llama2-70b --mfu 0.35 --layer-overhead 100us --hbm 1.2TB/s \
 		--json results/cost_model_overheads.json
+
+# how much end-to-end recovery moves with the window order, count and held-out window (docs/spd.md); needs the
+# block stage of `make demo` (runs/demo)
+recovery-order-spread: $(STAMP)
+	$(BIN)/python $(EXP)/recovery_order_spread.py --run runs/demo --fraction 0.5 \
+		--out results/recovery_order_spread/demo_spd050

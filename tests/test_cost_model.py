@@ -353,6 +353,27 @@ def test_calibration_recovers_codec_time_and_predicts_compressed_plans(tmp_path)
     assert short["int8"] < short["none"] - 0.01
 
 
+def test_link_fit_reads_the_fastest_sample_of_bimodal_timings(tmp_path) -> None:
+    """Isolated all-reduce samples on a loaded CPU: the link's cost, or that plus a 4 ms scheduler tick in
+    about half of them. The link model fits the fastest sample, so alpha and beta are the true ones whichever
+    mode the median falls in (with the medians, the big payloads' ticks would make beta ~100x too small)."""
+    d = synthetic_bench(128, seed=5)
+    comm = CommModel(TRUE["alpha"], TRUE["beta"])
+    sizes = []
+    for i, n in enumerate((2304, 36864, 147456, 294912)):
+        t = comm.collective(n, 2) * 1e3
+        samples = [t + (4.0 if (j + i) % 2 else 0.0) for j in range(9 - i % 2)]  # ticks in 4 or 5 of 9 / 8
+        sizes.append({"bytes": n, "median_ms": sorted(samples)[len(samples) // 2], "samples_ms": samples})
+    d["allreduce_sizes"] = sizes
+    run = load_bench(write(tmp_path / "b.json", d), "--calibrate")
+    alpha, beta, _ = fit_alpha_beta([(b, 2, t) for b, t in run.allreduce_sizes])
+    assert alpha == pytest.approx(TRUE["alpha"], rel=1e-6) and beta == pytest.approx(TRUE["beta"], rel=1e-6)
+    for x in sizes:
+        del x["samples_ms"]  # a file without samples: the medians, as written
+    medians = load_bench(write(tmp_path / "m.json", d), "--calibrate").allreduce_sizes
+    assert [t for _, t in medians] == [x["median_ms"] / 1e3 for x in sizes]
+
+
 def test_calibration_predicts_emulated_runs(tmp_path) -> None:
     cal_run = load_bench(write(tmp_path / "none.json", synthetic_bench(128, seed=1)), "--calibrate")
     cal = calibrate([cal_run])

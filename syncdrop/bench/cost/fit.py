@@ -123,17 +123,27 @@ def fit_compute(points: list[ComputePoint], fit_overhead: bool = True,
 
     ``t_layer`` is fitted only when the FLOP counts differ (prefill and decode points, or several
     prompt lengths) and ``fit_overhead``; ``sync_s`` only when the sync-point counts differ (several
-    plans) and ``fit_sync``; the codec terms only when some point encodes (``c > 0``).
+    plans) and ``fit_sync``; the codec terms only when some point encodes (``c > 0``): when points without a
+    codec are there too, the other terms are fitted on those alone and the codec terms on what the compressed
+    points' times leave (a joint fit can trade the compute rate for the codec's per-byte term, which grows
+    with the payload as FLOPs do).
     """
     pts = [p for p in points if p.measured_s > 0]
     if not pts:
         raise SyncdropError("--calibrate: no measured forwards to fit the compute rate")
+    plain = [p for p in pts if p.codec_units == 0]
+    coded = [p for p in pts if p.codec_units > 0]
+    if coded and plain:  # compute and sync on the plans without a codec, then the codec on what is left
+        compute, sync, _ = fit_compute(plain, fit_overhead, fit_sync)
+        rest = [(p, p.measured_s - p.ring_total_s - compute.time(p.work) - p.n_allreduce * sync) for p in coded]
+        codec = _nnls([[p.codec_units / p.measured_s, p.codec_units * p.payload_bytes / p.measured_s]
+                       for p, _ in rest], [r / p.measured_s for p, r in rest])
+        return compute, sync, (codec[0], codec[1])
     use_o = fit_overhead and len({round(p.work.flops) for p in pts}) > 1
     use_s = fit_sync and len({p.n_allreduce for p in pts}) > 1
-    use_c = any(p.codec_units > 0 for p in pts)
     X = [[p.work.flops / p.measured_s, (p.work.layers if use_o else 0.0) / p.measured_s,
           (p.n_allreduce if use_s else 0.0) / p.measured_s,
-          *([p.codec_units / p.measured_s, p.codec_units * p.payload_bytes / p.measured_s] if use_c else [])]
+          *([p.codec_units / p.measured_s, p.codec_units * p.payload_bytes / p.measured_s] if coded else [])]
          for p in pts]
     y = [(p.measured_s - p.ring_total_s) / p.measured_s for p in pts]
     inv_f, o, sync, *codec = _nnls(X, y)
