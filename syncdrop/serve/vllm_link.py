@@ -11,7 +11,7 @@ the environment asks for it, so that a production server runs vLLM's collectives
 * ``SYNCDROP_VLLM_INSTRUMENT=1`` (the bench's diagnostic run): while recording is on, each such collective
   is timed from its call to its end (device synchronised, emulated wait included), so a rank's time also
   holds its wait for the slowest rank. The bench switches recording on and off and collects the times with
-  ``collective_rpc`` through the worker extension :class:`SyncdropWorkerExtension`. With recording off
+  ``collective_rpc`` through the worker extension (:mod:`syncdrop.serve.vllm_worker`). With recording off
   nothing is synchronised: only the link, when there is one, costs a synchronisation per collective.
 
 The wrapped methods are ``GroupCoordinator``'s public ``all_reduce``, ``all_gather`` and ``gather``
@@ -178,48 +178,20 @@ def install() -> bool:
     return True
 
 
-class SyncdropWorkerExtension:
-    """Mixed into vLLM's worker class by ``LLM(worker_extension_cls=WORKER_EXTENSION)``; the bench calls these
-    methods on every worker at once with ``LLM.collective_rpc("syncdrop_...")`` (plain arguments, no
-    pickled callables)."""
-
-    def syncdrop_set_dropped(self, dropped: list[int]) -> list[int]:
-        """Switch the model's SPD blocks (:func:`syncdrop.serve.vllm_models.set_dropped`; refused in an engine
-        that compiles the model or captures CUDA graphs)."""
-        from syncdrop.serve.vllm_models import set_dropped
-
-        return set_dropped(self.get_model(), dropped)
-
-    def syncdrop_start_recording(self) -> bool:
-        """Start timing this worker's collectives; False when the clock is not installed."""
-        global _recording
-        _recording = []
-        return _installed
-
-    def syncdrop_stop_recording(self) -> list[tuple[str, float]]:
-        """Stop timing; the ``(kind, seconds)`` of every collective since the start."""
-        global _recording
-        out, _recording = _recording or [], None
-        return out
-
-    def syncdrop_time_all_reduce(self, tokens: int, hidden: int, dtype: str, reps: int) -> list[float]:
-        """Seconds per all-reduce of ``(tokens, hidden)`` zeros on the tensor-parallel group (emulated link
-        included), each after a barrier, 3 warm-ups first; every worker runs it at once."""
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
-        x = torch.zeros((tokens, hidden), dtype=getattr(torch, dtype), device=device)
-        out = []
-        for i in range(3 + reps):
-            group.barrier()
-            t0 = time.perf_counter()
-            group.all_reduce(x)
-            _synchronize(x)
-            if i >= 3:
-                out.append(time.perf_counter() - t0)
-        return out
+def start_recording() -> bool:
+    """Start timing this process's collectives; False when the clock is not installed."""
+    global _recording
+    _recording = []
+    return _installed
 
 
-WORKER_EXTENSION = f"{__name__}.SyncdropWorkerExtension"
+def stop_recording() -> list[tuple[str, float]]:
+    """Stop timing; the ``(kind, seconds)`` of every collective since the start."""
+    global _recording
+    out, _recording = _recording or [], None
+    return out
+
+
+def synchronize(t: torch.Tensor) -> None:
+    """Wait for ``t``'s device (a no-op on CPU) before reading a clock."""
+    _synchronize(t)

@@ -51,7 +51,7 @@ def start(job: dict[str, Any]) -> tuple[Any, float]:
     if job.get("max_model_len"):
         kw["max_model_len"] = int(job["max_model_len"])
     if job.get("mode") == "bench" or job.get("switch") is not None or job.get("record"):
-        from syncdrop.serve.vllm_link import WORKER_EXTENSION
+        from syncdrop.serve.vllm_worker import WORKER_EXTENSION
 
         kw["worker_extension_cls"] = WORKER_EXTENSION
     eager = bool(job.get("eager", False))
