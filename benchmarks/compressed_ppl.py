@@ -66,7 +66,7 @@ def scores(built, plan: SyncPlan, windows: torch.Tensor, cache: Path, what: str)
     ident = plan.to_dict()["blocks"]
     src = for_plan(built.source, plan, warn=False)
     if src.spd is not None and src.spd.blocks:  # distilled blocks run: the key names them
-        ident = {"plan": ident, "model": str(Path(built.source.spec).resolve()), "blocks": sorted(src.spd.blocks)}
+        ident = {"plan": ident, "model": built.source.spec, "blocks": sorted(src.spd.blocks)}
     key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
     path = cache / f"{key}.json"
     done = json.loads(path.read_text())["nll"] if path.exists() else {}
@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     res = {"settings": vars(args) | {"profile": profile_path, "windows_shape": list(windows.shape)},
            "provenance": provenance(), "dense_ppl": dense_ppl, "rows": rows, "window_nll": nlls}
     atomic_write_json(out.with_suffix(".json"), res)
-    lines = [f"{args.model} TP={args.tp}, WikiText-2 test, {windows.shape[0]} windows of {args.seq_len}, zero-shot "
-             f"(no recovery); dense perplexity {dense_ppl:.3f}. Ratio: perplexity / dense, 95% paired bootstrap "
+    distilled = built.source.spd is not None
+    what = ("each plan with the distilled blocks trained for its form (`syncdrop distill`), the base blocks elsewhere"
+            if distilled else "zero-shot (no recovery)")
+    lines = [f"{args.model} TP={args.tp}, WikiText-2 test, {windows.shape[0]} windows of {args.seq_len}, {what}; "
+             f"dense perplexity {dense_ppl:.3f}. Ratio: perplexity / dense, 95% paired bootstrap "
              "interval over windows. Bytes: what each rank hands the sync points per token, over dense with bf16 "
              "on the wire.", "", "| config | perplexity / dense | 95% CI | bytes vs bf16 dense |",
              "|---|---:|---|---:|"]
