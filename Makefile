@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint vllm-env bench-forward latency vllm-latency launch-stress fresh-clone \
-	gpu-check gpu-check-dry compressed-ppl compression-profile compressed-speed wire-codec clean
+	gpu-check gpu-check-dry compressed-ppl compressed-recovery compression-profile compressed-speed wire-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -80,6 +80,14 @@ vllm-latency: $(STAMP) $(VLLM_STAMP)
 compressed-ppl: $(STAMP)
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --out results/compressed_ppl/tp3
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 304 --configs int8,fp8 --out results/compressed_ppl/tp3_all304
+
+# recovery through the compressed all-reduce: every block of SmolLM2 TP=3 trained end to end under int4 in groups of
+# 32 (64 WikiText-2 valid windows of 512, one epoch), then scored on the 16 test windows of compressed-ppl
+compressed-recovery: $(STAMP)
+	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan int4:g32 --method e2e --samples 64 --heldout 2 \
+		--seq-len 512 --calib wikitext2:valid --out runs/int4g32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4g32_e2e --tp 3 --windows 16 --configs int4:g32 \
+		--out results/compressed_ppl/tp3_int4g32_e2e
 
 # every sync point's sensitivity to int8 and to int4 in groups of 32 (SmolLM2 TP=3, 8 WikiText-2 valid windows of 512)
 compression-profile: $(STAMP)
