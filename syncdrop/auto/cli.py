@@ -74,6 +74,18 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _number_or(text: str, keyword: str, convert, flag: str, what: str):
+    """``convert(text)``, or None when ``text`` is ``keyword``; a usage error naming ``flag`` otherwise."""
+    from syncdrop.errors import SyncdropError
+
+    if str(text).strip().lower() == keyword:
+        return None
+    try:
+        return convert(text)
+    except ValueError:
+        raise SyncdropError(f"{flag} {text!r}: expected {what} or {keyword}") from None
+
+
 def cmd_auto(args: argparse.Namespace) -> int:
     from syncdrop.auto.pipeline import AutoSettings, run_auto
     from syncdrop.errors import SyncdropError
@@ -87,26 +99,16 @@ def cmd_auto(args: argparse.Namespace) -> int:
     parse_duration(args.recovery_budget)
     if not args.e2e_lr > 0:
         raise SyncdropError(f"--e2e-lr must be a positive number, got {args.e2e_lr}")
-    e2e_samples = None
-    if str(args.e2e_samples).strip().lower() != "auto":
-        try:
-            e2e_samples = int(args.e2e_samples)
-        except ValueError:
-            raise SyncdropError(f"--e2e-samples {args.e2e_samples!r}: expected a number of windows or auto") from None
-        if e2e_samples < 1:
-            raise SyncdropError(f"--e2e-samples must be at least 1, got {e2e_samples}")
+    e2e_samples = _number_or(args.e2e_samples, "auto", int, "--e2e-samples", "a number of windows")
+    if e2e_samples is not None and e2e_samples < 1:
+        raise SyncdropError(f"--e2e-samples must be at least 1, got {e2e_samples}")
     for name in ("calib_samples", "seq_len", "distill_samples", "distill_epochs", "eval_windows", "zs_limit",
                  "prompt_len", "decode_tokens", "reps", "max_reps", "e2e_epochs"):
         if getattr(args, name) < 1:
             raise SyncdropError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_reps < args.reps:
         raise SyncdropError(f"--max-reps must be at least --reps ({args.reps}), got {args.max_reps}")
-    acc_limit = None
-    if str(args.max_acc_drop).strip().lower() != "none":
-        try:
-            acc_limit = float(args.max_acc_drop)
-        except ValueError:
-            raise SyncdropError(f"--max-acc-drop {args.max_acc_drop!r}: expected a number of points or none") from None
+    acc_limit = _number_or(args.max_acc_drop, "none", float, "--max-acc-drop", "a number of points")
     wires = None if args.wire is None else tuple(w.strip() for w in args.wire.split(",") if w.strip())
     if wires == ():
         raise SyncdropError(f"--wire {args.wire!r}: expected wire formats, e.g. none,int8")
