@@ -69,6 +69,21 @@ def git_commit() -> str | None:
         return None
 
 
+def portable_path(path: str | Path) -> str:
+    """``path`` as a result file should record it: relative to the working directory when it lies below it.
+
+    A result or plan file is read on other machines and in other checkouts, where this machine's absolute
+    paths mean nothing; a path outside the working directory is kept as given.
+    """
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return str(p.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return str(p)
+    return str(p)
+
+
 def provenance() -> dict[str, Any]:
     """Command, commit and machine facts stored in every result file."""
     import torch

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from syncdrop.errors import SyncdropError
+from syncdrop.io_utils import portable_path
 from syncdrop.plan import parse_plan
 from syncdrop.spd.cli import add_plan_parser
 from syncdrop.spd.planning import choose_blocks, drop_order, load_profile, make_plan, tiers
@@ -199,3 +200,12 @@ def test_bad_plan_files_are_syncdrop_errors(tmp_path) -> None:
         parse_plan(str(_bad(tmp_path, "nope")), 4)
     with pytest.raises(SyncdropError, match="expected a JSON object with a 'blocks' list"):
         parse_plan(str(_bad(tmp_path, _profile_dict() | {"blocks": "x"})), 4)
+
+
+def test_a_plan_records_its_profile_relative_to_the_working_directory(profile_path, monkeypatch) -> None:
+    """Plans travel between machines: a profile below the working directory is recorded relative to it."""
+    monkeypatch.chdir(profile_path.parent.parent)
+    absolute = make_plan(load_profile(profile_path.resolve()), spd=0.5)
+    assert absolute.meta["profile"]["path"] == f"{profile_path.parent.name}/profile.json"
+    outside = Path("/") / "nonexistent-syncdrop" / "profile.json"
+    assert portable_path(outside) == str(outside)

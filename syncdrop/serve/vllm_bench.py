@@ -35,6 +35,7 @@ from typing import Any
 from syncdrop.bench.latency import summarize
 from syncdrop.bench.ring import Link
 from syncdrop.errors import SyncdropError
+from syncdrop.io_utils import portable_path
 from syncdrop.plan import DROP, FULL, SyncPlan, resolve_plan
 
 log = logging.getLogger(__name__)
@@ -113,5 +114,5 @@ def vllm_bench(model_spec: str, tp: int, plan_specs: list[str], prompt: list[int
     res["engine"] = {"name": "vllm-stock" if stock else "vllm+syncdrop", "architectures": first["architectures"],
                      "vllm_version": first["vllm_version"], "compilation": first["compilation"],
                      "engines": "one per plan, one after another, then a diagnostic engine (sync clock on)",
-                     "startup_s": {**startup, "diagnostic": diag["startup_s"]}, "export": str(exported.out)}
+                     "startup_s": {**startup, "diagnostic": diag["startup_s"]}, "export": portable_path(exported.out)}
     return res

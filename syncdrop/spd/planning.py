@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from syncdrop.errors import SyncdropError
+from syncdrop.io_utils import portable_path
 from syncdrop.plan import SyncPlan
 from syncdrop.spd import PROFILE_FORMAT, SENSITIVITIES
 
@@ -179,7 +180,7 @@ def make_plan(
     d = profile.data
     plan.meta = {
         "source": "syncdrop plan",
-        "profile": {"path": str(Path(profile.path).resolve()), "sha256": profile.sha256, "model": d.get("model"),
+        "profile": {"path": portable_path(profile.path), "sha256": profile.sha256, "model": d.get("model"),
                     "tp": d.get("tp"), "calib": d.get("calib"), "baseline_ppl": base},
         "sensitivity": sensitivity,
         "target": {"spd": spd} if spd is not None else {"max_ppl_increase": max_ppl_increase},
