@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -35,27 +34,15 @@ from syncdrop.eval.data import load_text
 from syncdrop.eval.perplexity import make_windows, window_nll
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
-from syncdrop.plan import SyncPlan, parse_plan
+from syncdrop.plan import SyncPlan
 from syncdrop.progress import progress_bar
 from syncdrop.runtime import choose_runtime
-from syncdrop.spd.planning import drop_order, load_profile
+from syncdrop.spd.planning import config_plan, drop_order, load_profile
 
 log = logging.getLogger("compressed_ppl")
 
 DEFAULT_CONFIGS = ("bf16,fp8,int8,int4,int4:g32,spd:0.25,spd:0.5,spd:0.7,spd:0.25+int8,spd:0.5+int8,spd:0.7+int8,"
                    "spd:0.7+int4:g32")
-
-
-def config_plan(name: str, num_blocks: int, order: list[int]) -> SyncPlan:
-    """``WIRE``, ``spd:F`` or ``spd:F+WIRE`` -> its plan (SPD blocks: the first ``round(F L)`` of ``order``)."""
-    m = re.fullmatch(r"spd:([0-9.]+)(?:\+(.+))?", name)
-    if not m:
-        return parse_plan(name, num_blocks)
-    plan = SyncPlan.dropping(num_blocks, sorted(order[: round(float(m.group(1)) * num_blocks)]))
-    if m.group(2):
-        wire = parse_plan(m.group(2), num_blocks).blocks[0].mlp
-        plan = plan.compressed(wire.wire, wire.group)
-    return plan
 
 
 def scores(built, plan: SyncPlan, windows: torch.Tensor, cache: Path, what: str) -> list[float]:

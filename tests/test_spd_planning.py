@@ -11,9 +11,9 @@ import pytest
 
 from syncdrop.errors import SyncdropError
 from syncdrop.io_utils import portable_path
-from syncdrop.plan import parse_plan
+from syncdrop.plan import SyncPlan, parse_plan
 from syncdrop.spd.cli import add_plan_parser
-from syncdrop.spd.planning import choose_blocks, drop_order, load_profile, make_plan, tiers
+from syncdrop.spd.planning import choose_blocks, config_plan, drop_order, load_profile, make_plan, tiers
 
 BASE = 10.0
 #       block:  0     1      2     3      4     5     6      7     8     9
@@ -209,3 +209,16 @@ def test_a_plan_records_its_profile_relative_to_the_working_directory(profile_pa
     assert absolute.meta["profile"]["path"] == f"{profile_path.parent.name}/profile.json"
     outside = Path("/") / "nonexistent-syncdrop" / "profile.json"
     assert portable_path(outside) == str(outside)
+
+
+def test_config_plan_spells_spd_and_wire_combinations() -> None:
+    """``spd:F`` drops the first round(F L) blocks of the order, ``+WIRE`` compresses every sync that stays."""
+    order = drop_order(PROG)
+    L = len(PROG)
+    assert config_plan("spd:0.3", L, order).to_dict() == SyncPlan.dropping(L, sorted(order[:3])).to_dict()
+    both = config_plan("spd:0.3+int4:g32", L, order)
+    assert both.to_dict() == SyncPlan.dropping(L, sorted(order[:3])).compressed("int4", 32).to_dict()
+    assert both.spd_fraction == pytest.approx(0.3) and both.codec_units(64) > 0
+    assert config_plan("int8", L, order).to_dict() == parse_plan("int8", L).to_dict()
+    with pytest.raises(SyncdropError):
+        config_plan("spd:0.3+int3", L, order)

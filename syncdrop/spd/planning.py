@@ -33,13 +33,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from syncdrop.errors import SyncdropError
 from syncdrop.io_utils import portable_path
-from syncdrop.plan import SyncPlan
+from syncdrop.plan import SyncPlan, parse_plan
 from syncdrop.spd import PROFILE_FORMAT, SENSITIVITIES
 
 DEFAULT_TAU1 = "0"
@@ -203,3 +204,17 @@ def tiers(plan: SyncPlan) -> dict[int, str]:
     """``{block: tier}`` of a plan made by :func:`make_plan` (empty for other plans)."""
     t = plan.meta.get("tiers", {}) if isinstance(plan.meta, dict) else {}
     return {int(k): v for k, v in t.items()} if isinstance(t, dict) else {}
+
+
+def config_plan(name: str, num_blocks: int, order: list[int]) -> SyncPlan:
+    """A benchmark configuration -> its plan: ``WIRE`` (every sync point compressed), ``spd:F`` (the first
+    ``round(F L)`` blocks of the drop ``order`` SPD) or ``spd:F+WIRE`` (those blocks SPD, every kept sync point,
+    the SPD blocks' one all-reduce included, compressed); anything else is a plan spec (:func:`parse_plan`)."""
+    m = re.fullmatch(r"spd:([0-9.]+)(?:\+(.+))?", name)
+    if not m:
+        return parse_plan(name, num_blocks)
+    plan = SyncPlan.dropping(num_blocks, sorted(order[: round(float(m.group(1)) * num_blocks)]))
+    if m.group(2):
+        wire = parse_plan(m.group(2), num_blocks).blocks[0].mlp
+        plan = plan.compressed(wire.wire, wire.group)
+    return plan
