@@ -98,7 +98,7 @@ def _ci_ms(ci: tuple[float, float] | None) -> list[float] | None:
 def _allreduce_sweep(model, B: int, S: int) -> tuple[dict, list[dict]]:
     """Isolated all-reduce timings over the payload sweep the cost model fits alpha and beta to
     (decode, prefill and between): ``(ar, sizes)`` with ``ar`` = the prefill and decode entries."""
-    hidden, elem = model.cfg.hidden_size, model.embed.element_size()
+    hidden, elem = model.cfg.hidden_size, model.dtype.itemsize
     sizes = []
     for tokens in sorted({1, B, max(1, B * S // 8), max(1, B * S // 2), B * S}):
         samples = time_all_reduce(model.comm, hidden, tokens, model.geo.r, model.dtype, model.device)
@@ -150,7 +150,7 @@ def latency_bench(
             use_link(link)
         sweeps[label] = _allreduce_sweep(model, B, S)
     comm = model.comm  # after use_link: the communicator every plan's model shares
-    elem = model.embed.element_size()
+    elem = model.dtype.itemsize
     units = {spec: plan.comm_units(hidden, elem) for spec, plan in plans}
     base_spec, base_plan = max(plans, key=lambda p: units[p[0]])
     points = base_plan.sync_points(hidden)

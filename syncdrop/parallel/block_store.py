@@ -8,6 +8,11 @@ read again when next needed. Code that visits the blocks in order, all inputs th
 before block ``i + 1`` (layer-wise perplexity, B2B distillation), then holds about one block's
 weights whatever the depth of the model, and reads each block once.
 
+A streaming store also holds the model's large replicated tensors (the token embedding, the LM head) under
+the same budget (:meth:`BlockStore.replicated`): the embedding is read when tokens are embedded and dropped
+when block 0 is read, the head read when logits are wanted and dropped when a block is next read, so the peak
+is the largest of them plus activations, not their sum.
+
 A block can also be *set* (``store[i] = weights``: a distilled block swapped in by the profiler);
 it shadows the checkpoint's block, and is held whatever ``resident`` says, until ``del store[i]``.
 """
@@ -17,7 +22,35 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+import torch
+
 from syncdrop.parallel.weights import BlockWeights
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    A block's tensors are tens of MB each, below glibc's mmap threshold once it has adapted, so they live on
+    the heap; after a dropped block is freed its pages stay resident until trimmed, and the next block's
+    reads (float32 slices, then the model dtype) fragment them further. Trimming when a block is dropped keeps
+    a streaming model's resident memory at the block it holds."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():  # glibc, or None (macOS, musl: no malloc_trim)
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        lib.malloc_trim.argtypes = [ctypes.c_size_t]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
 
 
 class BlockStore:
@@ -28,7 +61,8 @@ class BlockStore:
         if resident is not None and resident < 1:
             raise ValueError(f"resident must be at least 1 block, got {resident}")
         self._build, self._n, self.resident = build, n, resident
-        self._held: OrderedDict[int, BlockWeights] = OrderedDict()  # least recently used first
+        # least recently used first: blocks by number, replicated tensors by name (streaming only)
+        self._held: OrderedDict[int | str, BlockWeights | torch.Tensor] = OrderedDict()
         self._set: dict[int, BlockWeights] = {}
         self.loads = 0  # blocks built from the checkpoint so far
         if resident is None:
@@ -58,13 +92,27 @@ class BlockStore:
         i %= self._n
         if i in self._set:
             return self._set[i]
-        if i in self._held:
-            self._held.move_to_end(i)
-            return self._held[i]
+        return self._get(i, lambda: self._load(i))  # type: ignore[return-value]
+
+    def replicated(self, name: str, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The replicated tensor ``name`` (``"embed"``, ``"lm_head"``) of a streaming store: held under the
+        blocks' budget, read by ``read()`` when not held (see the module docstring)."""
+        if not self.streams:
+            raise ValueError("replicated tensors are held by the model itself unless its blocks stream")
+        return self._get(name, read)  # type: ignore[return-value]
+
+    def _get(self, key: int | str, read: Callable[[], BlockWeights | torch.Tensor]) -> BlockWeights | torch.Tensor:
+        if key in self._held:
+            self._held.move_to_end(key)
+            return self._held[key]
         if self.resident is not None:
+            dropped = False
             while len(self._held) >= self.resident:
-                self._held.popitem(last=False)  # drop the least recently used block before reading the next
-        w = self._held[i] = self._load(i)
+                self._held.popitem(last=False)  # drop the least recently used entry before reading the next
+                dropped = True
+            if dropped:
+                release_free_memory()
+        w = self._held[key] = read()
         return w
 
     def __setitem__(self, i: int, w: BlockWeights) -> None:
@@ -79,4 +127,8 @@ class BlockStore:
 
     def held(self) -> list[BlockWeights]:
         """The blocks in memory now (what :meth:`TPModel.weight_bytes` counts)."""
-        return [*self._held.values(), *self._set.values()]
+        return [*(w for k, w in self._held.items() if isinstance(k, int)), *self._set.values()]
+
+    def held_replicated(self) -> dict[str, torch.Tensor]:
+        """The replicated tensors a streaming store holds now, by name."""
+        return {k: w for k, w in self._held.items() if isinstance(k, str)}  # type: ignore[misc]

@@ -60,8 +60,10 @@ class TPModel:
         self.device = torch.device(device)
         src = TensorSource(weights)
 
+        target = self.device
+
         def get(name: str) -> torch.Tensor:  # cast on the host, then move: the copy is in the model dtype
-            return src.get(name).to(dtype).to(self.device)
+            return src.read(name, dtype).to(target)
 
         local = list(ranks if ranks is not None else range(layout.tp))
         block_layouts = dict(block_layouts or {})
@@ -74,18 +76,29 @@ class TPModel:
         geos = {id(lay): local_geometry(cfg, lay, local) for lay in block_layouts.values()}
         self.geos = [geos.get(id(lay), self.geo) for lay in self.layouts]  # moved with the weights below
         self.plan = plan or SyncPlan.uniform(cfg.num_layers)
-        self.embed = get("embed")
         self.pos_embed = get("pos_embed") if cfg.family == "opt" else None
         self.final_norm_w = get("final_norm.weight")
         self.final_norm_b = get("final_norm.bias") if cfg.norm == "layer" else None
-        self.lm_head = self.embed if cfg.tie_embeddings else get("lm_head")
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.uses_rope else None
         host_geos = list(self.geos)  # the slices are read and cast where the source holds them, then moved
 
-        # a streaming model unmaps the checkpoint after each block: its pages would otherwise stay resident
+        # a streaming model unmaps the checkpoint after each read: its pages would otherwise stay resident
         release = getattr(weights, "release", None) if resident_blocks is not None else None
 
-        layouts, target = self.layouts, self.device  # not ``self``: the store must not hold its model in a cycle
+        layouts = self.layouts  # not ``self``: the store must not hold its model in a cycle
+        self._head_name = "embed" if cfg.tie_embeddings else "lm_head"
+
+        def read(name: str) -> torch.Tensor:  # a replicated tensor of a streaming model, read when wanted
+            t = get(name)
+            if release is not None:
+                release()
+            return t
+
+        self._read_replicated = read
+        # the token embedding and the LM head: held here, or (streaming) in the block store under its budget
+        self._replicated: dict[str, torch.Tensor] = {}
+        if resident_blocks is None:
+            self._replicated = {n: get(n) for n in dict.fromkeys(("embed", self._head_name))}
 
         def build(i: int) -> BlockWeights:  # (a cycle frees the weights only at a garbage collection, late)
             w = block_weights(src, cfg, host_geos[i], layouts[i], i, dtype).to(target)
@@ -96,6 +109,23 @@ class TPModel:
         self.blocks = BlockStore(build, cfg.num_layers, resident_blocks, progress)
         self.geos = [g.to(self.device) for g in self.geos]
         self.geo = self.geo.to(self.device)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The token embedding ``(V, h)``, replicated (with streamed blocks: read when asked for, see
+        :meth:`~syncdrop.parallel.block_store.BlockStore.replicated`)."""
+        return self._replicated_tensor("embed")
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head ``(V, h)`` (the embedding itself when tied), replicated."""
+        return self._replicated_tensor(self._head_name)
+
+    def _replicated_tensor(self, name: str) -> torch.Tensor:
+        if name in self._replicated:
+            return self._replicated[name]
+        read = self._read_replicated
+        return self.blocks.replicated(name, lambda: read(name))
 
     @property
     def plan(self) -> SyncPlan:
@@ -214,10 +244,9 @@ class TPModel:
     def weight_bytes(self) -> int:
         """Bytes of weights held by this process now (all local ranks, padding included; with streamed
         blocks, those in memory)."""
-        ts = [self.embed, self.final_norm_w, *(t for b in self.blocks.held() for t in b.tensors())]
+        ts = [*self._replicated.values(), *self.blocks.held_replicated().values(), self.final_norm_w,
+              *(t for b in self.blocks.held() for t in b.tensors())]
         ts += [t for t in (self.pos_embed, self.final_norm_b) if t is not None]
-        if self.lm_head is not self.embed:
-            ts.append(self.lm_head)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

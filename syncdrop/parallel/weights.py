@@ -52,6 +52,21 @@ class TensorSource:
             raise TypeError(f"weights must be a checkpoint reader, a dict or a callable, got {type(src).__name__}")
         self._rows = getattr(src, "get_rows", None)
         self._cols = getattr(src, "get_cols", None)
+        self._shape = getattr(src, "shape", None)
+
+    def read(self, name: str, dtype: torch.dtype, rows_per_read: int = 4096) -> torch.Tensor:
+        """``get(name).to(dtype)``, the same values, without the reader's float32 copy of the whole tensor: a
+        reader that reads rows gives a 2-D tensor ``rows_per_read`` rows at a time, each chunk converted
+        (float32, then ``dtype``) into the result as it comes. For a bfloat16 embedding or LM head the transient
+        is one chunk instead of twice the tensor."""
+        shape = tuple(self._shape(name)) if self._rows is not None and self._shape is not None else ()
+        if len(shape) != 2 or shape[0] <= rows_per_read:
+            return self.get(name).to(dtype)
+        out = torch.empty(shape, dtype=dtype)  # (rows, cols)
+        for lo in range(0, shape[0], rows_per_read):
+            hi = min(lo + rows_per_read, shape[0])
+            out[lo:hi] = self._rows(name, torch.arange(lo, hi)).to(dtype)
+        return out
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         return self._rows(name, index) if self._rows else self.get(name)[index]

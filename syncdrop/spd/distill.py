@@ -148,7 +148,9 @@ def train_block(
     device = train[0][0].device
     geo = local_geometry(cfg, layout, range(tp), device)
     comm = SimulatedComm(tp)
-    P = {k: v.detach().to(device).clone().requires_grad_(True) for k, v in params.items()}
+    # the masters are trained in place of ``params``' tensors (no second float32 copy of the block; ``params``
+    # gets the selected weights back at the end)
+    P = {k: v.detach().to(device).requires_grad_(True) for k, v in params.items()}
 
     def student(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         w = block_weights(TensorSource(P), cfg, geo, layout, layer, x.dtype)  # differentiable re-sharding and cast

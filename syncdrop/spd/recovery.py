@@ -165,7 +165,9 @@ def probe_block_step_s(source, tp: int, window, device, steps: int = 2) -> float
     params = {n: source.reader.get(n).to(torch.float32).to(teacher.device) for n in layer_names(0, cfg)}
     layout = ShardLayout.build(cfg, tp)
     batch = [(x, ctx)]
-    train_block(dict(params), 0, cfg, layout, batch, [y], batch, [y], DistillSettings(1e-4, 1))
+    train_block({k: v.clone() for k, v in params.items()}, 0, cfg, layout, batch, [y], batch, [y],
+                DistillSettings(1e-4, 1))  # trains its tensors in place: a copy each time
+    fresh = {k: v.clone() for k, v in params.items()}
     t0 = time.perf_counter()
-    train_block(dict(params), 0, cfg, layout, batch * steps, [y] * steps, batch, [y], DistillSettings(1e-4, 1))
+    train_block(fresh, 0, cfg, layout, batch * steps, [y] * steps, batch, [y], DistillSettings(1e-4, 1))
     return (time.perf_counter() - t0) / steps
