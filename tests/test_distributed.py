@@ -77,10 +77,11 @@ def test_tiny_phi3_distributed_equals_simulated(tiny_phi3_dir, tmp_path: Path) -
 def test_compressed_plans_distributed_equal_simulated_bit_for_bit(tiny_llama_dir, tmp_path: Path) -> None:
     """The two-step compressed all-reduce (all-to-all, then all-gather, over gloo) sums each chunk in rank
     order on its rank, as the simulation sums its rank axis: the same bits at TP=2 and TP=3, alone and on the
-    SPD block's one sync point (bf16:g48 at TP=3: 26 groups of one token each, chunks padded to 27)."""
+    SPD block's one sync point (bf16:g48 at TP=3: 26 groups of one token each, chunks padded to 27), and with
+    the Hadamard rotation (int4h: its butterflies are elementwise, so chunking does not change its bits)."""
     for tp in (2, 3):
-        _check_parity(str(tiny_llama_dir), tp, ["none+int8:g16", "all+int4:g16", "blocks:0+fp8:g8", "bf16:g48"],
-                      tmp_path, tol=0.0)
+        _check_parity(str(tiny_llama_dir), tp,
+                      ["none+int8:g16", "all+int4:g16", "blocks:0+fp8:g8", "bf16:g48", "int4h:g16"], tmp_path, tol=0.0)
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:

@@ -7,8 +7,9 @@ The default run is one OPT engine (biases everywhere: each added once, after its
 compressed. The engine's log-probs and greedy tokens must be the simulated executor's under the same plan,
 and clearly not those of the same plan uncompressed (``blocks:1``); Dynamo's graph (``TORCH_LOGS=graph_code``
 into the engine's log) holds the custom op ``syncdrop::tp_compressed_all_reduce`` at each of the three
-compressed sync points. ``slow``: int4 on every sync point of Mistral (compiled), and an SPD block with a
-compressed sum in an eager Qwen2 engine, which refuses to switch its SPD blocks.
+compressed sync points. ``slow``: int4 on every sync point of Mistral (compiled), plain and Hadamard-rotated
+(``int4h``), and an SPD block with a compressed sum in an eager Qwen2 engine, which refuses to switch its SPD
+blocks.
 
 Tolerance. The served and simulated sums run the same code (``WireFormat.two_step``), but the partials they
 encode come from different kernels (vLLM's sharded layers vs syncdrop's), so they agree to float32 rounding,
@@ -70,6 +71,14 @@ def test_opt_int8_compiled_matches_simulated(tiny_vllm_dir, tmp_path) -> None:
 @pytest.mark.slow
 def test_mistral_int4_everywhere_compiled(tiny_vllm_dir, tmp_path) -> None:
     got, log = _case(tiny_vllm_dir, tmp_path, "mistral", 3, "int4:g8", "none")
+    assert got["compilation"]["mode"] != "NONE"
+    assert _graph_calls(log) == 4
+
+
+@pytest.mark.slow
+def test_mistral_hadamard_int4_compiled(tiny_vllm_dir, tmp_path) -> None:
+    """The Hadamard-rotated format through vLLM's compiled graph: the same bits as the simulated executor."""
+    got, log = _case(tiny_vllm_dir, tmp_path, "mistral", 3, "int4h:g8", "none")
     assert got["compilation"]["mode"] != "NONE"
     assert _graph_calls(log) == 4
 

@@ -24,7 +24,8 @@ def add_auto_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fractions", default="0,0.25,0.5,0.75,1", help="candidate SPD fractions")
     p.add_argument("--wire", default=None,
                    help="wire formats for the sync points each candidate keeps, comma-separated: none (full "
-                        "precision), int8, fp8, int4, bf16, with :gG for the group size, e.g. none,int8,int4:g32 "
+                        "precision), int8, fp8, int4, int8h/int4h (Hadamard-rotated groups), bf16, with :gG for the "
+                        "group size, e.g. none,int8,int4h:g32 "
                         "(default none,int8, leaving int8 out with a warning where its groups of 64 do not divide "
                         "the hidden size); every SPD fraction is a candidate with each")
     p.add_argument("--max-acc-drop", default="5",

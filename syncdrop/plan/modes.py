@@ -187,7 +187,7 @@ def mode_named(name: str) -> SyncMode:
     return _REGISTRY[name]
 
 
-MODE_FORMS = '{"partial": p} or {"wire": "int8"|"int4"|"fp8"|"bf16", "group": G}'
+MODE_FORMS = '{"partial": p} or {"wire": "int8"|"int4"|"int8h"|"int4h"|"fp8"|"bf16", "group": G}'
 
 
 def parse_mode(v: Any, point: str, where: str) -> SyncMode:

@@ -12,6 +12,14 @@ format    one group of ``G`` values on the wire                          bytes p
 ``int4``  ``round(x / s)`` in ``[-7, 7]``, two per byte, ``s = max|x|/7`` ``G / 2 + 2``
 ========= ============================================================ ===================
 
+``int8h`` and ``int4h`` rotate each group by the normalised ``G``-point Hadamard matrix before quantising
+(``H x``, ``H = H_G / sqrt(G)`` of Sylvester's construction, orthonormal and its own inverse) and back after
+dequantising: the rotation spreads a group's outliers over all its values, so the scale follows the group's
+norm instead of its largest value (QuaRot, arXiv:2404.00456; used for low-bit all-reduce in arXiv:2411.09510).
+The same bytes as ``int8`` / ``int4``; ``G`` a power of two. The rotation is a fast Walsh-Hadamard transform of
+``log2 G`` add/subtract stages, elementwise, so its bits do not depend on how many groups are transformed at
+once (the simulated and the distributed executor agree bit for bit).
+
 Scales are symmetric, one per group, stored in bfloat16 (float32's range: no overflow or underflow
 of the scale); the values are quantised with the stored (rounded) scale and clamped, so that
 ``decode(encode(x))`` is what the receiver sees. An all-zero group has scale 1.
@@ -42,9 +50,27 @@ from syncdrop.errors import SyncdropError
 if TYPE_CHECKING:
     import torch
 
-WIRE_FORMATS = ("bf16", "fp8", "int8", "int4")
+WIRE_FORMATS = ("bf16", "fp8", "int8", "int4", "int8h", "int4h")
 DEFAULT_GROUP = 64
 _QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+_ROTATED = {"int8h": "int8", "int4h": "int4"}  # a Hadamard-rotated format -> the format of its values
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``(..., G)`` -> ``(..., G)``: each group times ``H_G / sqrt(G)`` (Sylvester's Hadamard matrix, symmetric,
+    so the map is its own inverse), by ``log2 G`` butterfly stages: stage ``h`` replaces each pair
+    ``(a, b)`` of values ``h`` apart within a block of ``2h`` by ``(a + b, a - b)``."""
+    import torch
+
+    G = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < G:
+        y = x.reshape(*lead, G // (2 * h), 2, h)  # (..., blocks, 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, G)
+        h *= 2
+    return x * (1.0 / math.sqrt(G))
 _SCALE_BYTES = 2  # bfloat16
 
 
@@ -71,10 +97,23 @@ class WireFormat:
             raise SyncdropError(f"wire format must be one of {', '.join(WIRE_FORMATS)}, got {self.fmt!r}")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2 or self.group % 2:
             raise SyncdropError(f"wire group size must be an even integer of at least 2, got {self.group!r}")
+        if self.rotated and self.group & (self.group - 1):
+            raise SyncdropError(f"wire format {self.fmt} rotates groups by a Hadamard matrix: the group size must be "
+                                f"a power of two, got {self.group}")
+
+    @property
+    def rotated(self) -> bool:
+        """True for the Hadamard-rotated formats (``int8h``, ``int4h``)."""
+        return self.fmt in _ROTATED
+
+    @property
+    def values(self) -> str:
+        """The format of the values on the wire: ``int4`` for ``int4h``, else the format itself."""
+        return _ROTATED.get(self.fmt, self.fmt)
 
     @property
     def bits(self) -> int:
-        return 16 if self.fmt == "bf16" else 4 if self.fmt == "int4" else 8
+        return 16 if self.values == "bf16" else 4 if self.values == "int4" else 8
 
     @property
     def group_bytes(self) -> int:
@@ -112,15 +151,18 @@ class WireFormat:
 
         if self.fmt == "bf16":
             return g.to(torch.bfloat16).contiguous().view(torch.uint8)  # (..., 2G)
-        qmax = _QMAX[self.fmt]
+        if self.rotated:
+            g = hadamard(g.float())
+        fmt = self.values
+        qmax = _QMAX[fmt]
         amax = g.abs().amax(-1, keepdim=True).float()  # (..., 1)
         scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(torch.bfloat16)  # stored scale
         x = (g.float() / scale.float()).clamp(-qmax, qmax)  # (..., G)
-        if self.fmt == "fp8":
+        if fmt == "fp8":
             vals = x.to(torch.float8_e4m3fn).view(torch.uint8)
         else:
             q = torch.round(x).to(torch.int8)  # half to even
-            if self.fmt == "int8":
+            if fmt == "int8":
                 vals = q.view(torch.uint8)
             else:  # int4: q + 8 in [1, 15], two per byte, even index in the low nibble
                 u = (q + 8).to(torch.uint8).reshape(*q.shape[:-1], -1, 2)  # (..., G/2, 2)
@@ -136,14 +178,15 @@ class WireFormat:
         n = self.group_bytes - _SCALE_BYTES
         scale = b[..., n:].contiguous().view(torch.bfloat16).float()  # (..., 1)
         vals = b[..., :n].contiguous()
-        if self.fmt == "fp8":
+        fmt = self.values
+        if fmt == "fp8":
             x = vals.view(torch.float8_e4m3fn).float()
-        elif self.fmt == "int8":
+        elif fmt == "int8":
             x = vals.view(torch.int8).float()
         else:
             pair = torch.stack([vals & 15, vals >> 4], dim=-1)  # (..., G/2, 2)
             x = pair.reshape(*vals.shape[:-1], self.group).to(torch.int8).float() - 8.0
-        return x * scale
+        return hadamard(x * scale) if self.rotated else x * scale
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """``D(E(x))`` of ``(..., h)`` values (``h`` a multiple of the group), in float32."""
