@@ -64,11 +64,14 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
     G = x.shape[-1]
     lead = x.shape[:-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)  # the stages write into it, then the two buffers swap
     h = 1
     while h < G:
-        y = x.reshape(*lead, G // (2 * h), 2, h)  # (..., blocks, 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, G)
+        y, o = x.view(*lead, G // (2 * h), 2, h), out.view(*lead, G // (2 * h), 2, h)  # (..., blocks, 2, h)
+        torch.add(y[..., 0, :], y[..., 1, :], out=o[..., 0, :])
+        torch.sub(y[..., 0, :], y[..., 1, :], out=o[..., 1, :])
+        x, out = out, (x if h > 1 else torch.empty_like(x))  # never write into the caller's tensor
         h *= 2
     return x * (1.0 / math.sqrt(G))
 _SCALE_BYTES = 2  # bfloat16
