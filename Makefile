@@ -108,6 +108,7 @@ compressed-speed: $(STAMP) $(VLLM_STAMP)
 		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --parts syncdrop \
 		--out results/compressed_speed/tp2_1GBps
 
+# one rank's encode/decode time per sync point against the link time its bytes save
 wire-codec: $(STAMP)
 	$(BIN)/python benchmarks/wire_codec.py --out results/wire_codec/cpu
 
