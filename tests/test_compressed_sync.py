@@ -114,10 +114,11 @@ def test_simulated_model_compressed_plans(tmp_path) -> None:
     assert (logits["frac:0.5+int8"] - logits["frac:0.5"]).abs().max() > 0
 
 
-def test_straight_through_gradient() -> None:
+@pytest.mark.parametrize("fmt", ["int4", "int4h"])
+def test_straight_through_gradient(fmt: str) -> None:
     """The compressed sum's gradient is the plain sum's; its value is the compressed one, bit for bit."""
     y = torch.randn(3, 2, 128, requires_grad=True)
-    wire = WireFormat("int4", 32)
+    wire = WireFormat(fmt, 32)
     out = SimulatedComm(3).compressed_all_reduce(y, wire)
     with torch.no_grad():
         assert torch.equal(out, SimulatedComm(3).compressed_all_reduce(y, wire))

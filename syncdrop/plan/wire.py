@@ -154,8 +154,8 @@ class WireFormat:
 
         if self.fmt == "bf16":
             return g.to(torch.bfloat16).contiguous().view(torch.uint8)  # (..., 2G)
-        if self.rotated:
-            g = hadamard(g.float())
+        if self.rotated:  # the bytes carry no gradient (a straight-through caller adds the plain sum's)
+            g = hadamard(g.detach().float())
         fmt = self.values
         qmax = _QMAX[fmt]
         amax = g.abs().amax(-1, keepdim=True).float()  # (..., 1)
