@@ -127,6 +127,13 @@ def _batches(model: TPModel, windows: torch.Tensor, batch_size: int) -> list[Bat
     return out
 
 
+def _owned_float32(read: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``read`` (a tensor a checkpoint reader returned) as a float32 tensor on ``device`` that shares no memory
+    with it: :func:`train_block` trains its tensors in place, and a reader may hand out a tensor it keeps."""
+    w = read.to(torch.float32).to(device)
+    return w.clone() if w.data_ptr() == read.data_ptr() else w
+
+
 def _mse(model_out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model_out.float(), target.float())
 
@@ -136,7 +143,8 @@ def train_block(
     train: list[Batch], train_y: list[torch.Tensor], held: list[Batch], held_y: list[torch.Tensor],
     s: DistillSettings, bar: Any = None,
 ) -> dict[str, Any]:
-    """Distil block ``layer`` in place (``params``: its dense tensors, float32). Returns stats.
+    """Distil block ``layer`` in place (``params``: its dense tensors, float32, owned by the caller: AdamW updates
+    them). Returns stats.
 
     ``params`` are the float32 master copies that AdamW updates; the student runs in the batches' dtype
     (each step casts the masters to it, a differentiable cast, so bfloat16 activations train float32
@@ -148,8 +156,8 @@ def train_block(
     device = train[0][0].device
     geo = local_geometry(cfg, layout, range(tp), device)
     comm = SimulatedComm(tp)
-    # the masters are trained in place of ``params``' tensors (no second float32 copy of the block; ``params``
-    # gets the selected weights back at the end)
+    # the masters are trained in place of ``params``' tensors, which the caller owns (no second float32 copy of
+    # the block; ``params`` gets the selected weights back at the end)
     P = {k: v.detach().to(device).requires_grad_(True) for k, v in params.items()}
 
     def student(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -294,7 +302,7 @@ def distill(
                     load_block(out / fname)  # fail now, not at load time, if the file is damaged
                 else:
                     names = layer_names(i, cfg)
-                    params = {n: source.reader.get(n).to(torch.float32).to(teacher.device) for n in names}
+                    params = {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
                     head_order = ffn_order = None
                     hg = None
                     if tier == "hg+b2b":
