@@ -48,8 +48,10 @@ def doc_accuracies(model: str, tp: int, plan: SyncPlan, names: list[str], data: 
     """Task -> each document's accuracy (0/1, in document order) of ``plan`` on ``model``, cached in ``cache``."""
     built = choose_runtime("simulated").build(model, tp, plan, progress=False)
     src = for_plan(built.source, plan, warn=False)
-    ident = {"plan": plan.to_dict()["blocks"], "model": built.source.spec,
-             "blocks": sorted(src.spd.blocks) if src.spd is not None and src.spd.blocks else [],
+    blocks = sorted(src.spd.blocks) if src.spd is not None and src.spd.blocks else []
+    # the model that runs: a distill directory's own blocks when any run under this plan, else its base model
+    base = built.source.spd.base_model if built.source.spd is not None else built.source.spec
+    ident = {"plan": plan.to_dict()["blocks"], "model": built.source.spec if blocks else base, "blocks": blocks,
              "tasks": names, "limit": limit}
     path = cache / f"{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]}.json"
     if path.exists():
