@@ -85,13 +85,22 @@ compressed-ppl: $(STAMP)
 	$(BIN)/python benchmarks/compressed_zero_shot.py --tp 3 --configs int8 \
 		--tasks arc_easy,piqa,lambada_openai --limit 500 --out results/compressed_zero_shot/tp3_500
 
-# recovery through the compressed all-reduce: every block of SmolLM2 TP=3 trained end to end under int4 in groups of
-# 32 (64 WikiText-2 valid windows of 512, one epoch), then scored on the 16 test windows of compressed-ppl
+# recovery through the compressed all-reduce: every block of SmolLM2 TP=3 trained end to end under int4 (plain, then
+# Hadamard-rotated) in groups of 32 (64 WikiText-2 valid windows of 512, one epoch), then scored on the 16 test
+# windows of compressed-ppl; the rotated one also on all 304 and on 500 zero-shot documents of three tasks
 compressed-recovery: $(STAMP)
 	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan int4:g32 --method e2e --samples 64 --heldout 2 \
 		--seq-len 512 --calib wikitext2:valid --out runs/int4g32_e2e
 	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4g32_e2e --tp 3 --windows 16 --configs int4:g32 \
 		--out results/compressed_ppl/tp3_int4g32_e2e
+	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan int4h:g32 --method e2e --samples 64 --heldout 2 \
+		--seq-len 512 --calib wikitext2:valid --out runs/int4hg32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4hg32_e2e --tp 3 --windows 16 --configs int4h:g32 \
+		--out results/compressed_ppl/tp3_int4hg32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4hg32_e2e --tp 3 --windows 304 --configs int4h:g32 \
+		--out results/compressed_ppl/tp3_int4hg32_e2e304
+	$(BIN)/python benchmarks/compressed_zero_shot.py --model runs/int4hg32_e2e --tp 3 --configs int4h:g32 \
+		--tasks arc_easy,piqa,lambada_openai --limit 500 --out results/compressed_zero_shot/tp3_500_int4hg32_e2e
 
 # every sync point's sensitivity to int8 and to int4 in groups of 32 (SmolLM2 TP=3, 8 WikiText-2 valid windows of 512)
 compression-profile: $(STAMP)
