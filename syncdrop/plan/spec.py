@@ -14,7 +14,8 @@ from syncdrop.plan.sync_plan import SyncPlan
 from syncdrop.plan.wire import WIRE_FORMATS, parse_wire
 
 PLAN_SPEC_HELP = ("none | all | last:K | first:K | frac:F | blocks:0,3,7 | partial:P | PATH.json, optionally "
-                  "+WIRE (int8, int4, fp8, bf16; :gG for the group size) to compress the kept sync points, "
+                  "+WIRE (int8, int4, int8h/int4h Hadamard-rotated, fp8, bf16; :gG for the group size) to compress the "
+                  "kept sync points, "
                   "or WIRE alone")
 
 
