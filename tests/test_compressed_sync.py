@@ -179,6 +179,7 @@ def test_plan_forms_and_facts() -> None:
     ("frac:0.5+int3", "malformed plan"),
     ("int4:x3", "expected FORMAT or FORMAT:gG"),
     ("int8:g7", "even integer"),
+    ("int4h:g48", "the group size must be a power of two, got 48"),
     ("+int8", "expected PLAN+WIRE"),
 ])
 def test_bad_wire_specs_exit_2(capsys, spec: str, message: str) -> None:
