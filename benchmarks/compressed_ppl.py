@@ -37,7 +37,7 @@ from syncdrop.models.loading import resolve_model
 from syncdrop.plan import SyncPlan
 from syncdrop.progress import progress_bar
 from syncdrop.runtime import choose_runtime
-from syncdrop.spd.planning import config_plan, drop_order, load_profile
+from syncdrop.spd.planning import config_plans
 
 log = logging.getLogger("compressed_ppl")
 
@@ -88,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     source = resolve_model(args.model)
     L = source.config.num_layers
     profile_path = args.profile or f"results/spd_sweep_tp{args.tp}/profile.json"
-    order = drop_order(load_profile(profile_path, L).sensitivity("progressive"))
-    configs = {c: config_plan(c, L, order) for c in args.configs.split(",") if c}
-    for plan in configs.values():
-        plan.check(source.config.hidden_size)
+    configs = config_plans(args.configs, L, profile_path, source.config.hidden_size)
     ids = source.load_tokenizer()(load_text("wikitext2").text, add_special_tokens=False)["input_ids"]
     windows = make_windows(ids, args.seq_len, args.windows)
     built = choose_runtime("simulated").build(args.model, args.tp, SyncPlan.uniform(L), progress=False)

@@ -36,7 +36,7 @@ from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 from syncdrop.models.loading import resolve_model
 from syncdrop.plan import SyncPlan
 from syncdrop.runtime import choose_runtime, for_plan
-from syncdrop.spd.planning import config_plan, drop_order, load_profile
+from syncdrop.spd.planning import config_plans
 
 log = logging.getLogger("compressed_zero_shot")
 
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     cache = out.parent / f"{out.name}_docs"
     cache.mkdir(parents=True, exist_ok=True)
-    L = resolve_model(args.model).config.num_layers
+    cfg = resolve_model(args.model).config
+    L = cfg.num_layers
     profile_path = args.profile or f"results/spd_sweep_tp{args.tp}/profile.json"
-    order = drop_order(load_profile(profile_path, L).sensitivity("progressive"))
-    configs = {c: config_plan(c, L, order) for c in args.configs.split(",") if c}
+    configs = config_plans(args.configs, L, profile_path, cfg.hidden_size)
     names = parse_tasks(args.tasks)
     data = resolve_task_data(names, None)
     dense = doc_accuracies(args.model, args.tp, SyncPlan.uniform(L), names, data, args.limit, cache, "dense")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _libc():  # glibc, or None (macOS, musl: no malloc_trim)
+def _libc() -> Any:  # glibc, or None (macOS, musl: no malloc_trim)
     import ctypes
     import ctypes.util
 

@@ -218,3 +218,16 @@ def config_plan(name: str, num_blocks: int, order: list[int]) -> SyncPlan:
         wire = parse_plan(m.group(2), num_blocks).blocks[0].mlp
         plan = plan.compressed(wire.wire, wire.group)
     return plan
+
+
+def config_plans(specs: str, num_blocks: int, profile_path: str | Path,
+                 hidden: int | None = None) -> dict[str, SyncPlan]:
+    """Comma-separated benchmark configurations -> their plans (:func:`config_plan`), SPD blocks in the drop
+    order of the profile at ``profile_path`` (progressive sensitivity); with ``hidden``, each plan is checked
+    against the hidden size (wire group sizes)."""
+    order = drop_order(load_profile(profile_path, num_blocks).sensitivity("progressive"))
+    plans = {c: config_plan(c, num_blocks, order) for c in specs.split(",") if c}
+    if hidden is not None:
+        for plan in plans.values():
+            plan.check(hidden)
+    return plans
