@@ -84,3 +84,26 @@ def test_building_the_parser_imports_neither_torch_nor_lm_eval() -> None:
             "assert 'torch' not in sys.modules and 'lm_eval' not in sys.modules, "
             "[m for m in sys.modules if m.startswith(('torch', 'lm_eval'))][:3]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _subparsers(parser) -> list:
+    """Every parser below ``parser`` (sub-commands and their own sub-commands), depth first."""
+    import argparse
+
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += [sub, *_subparsers(sub)]
+    return out
+
+
+def test_every_command_help_renders() -> None:
+    """``syncdrop CMD --help`` formats for every command: a help string with a bare ``%`` (argparse expands
+    ``%(default)s``-style fields) raises instead of printing help."""
+    from syncdrop.cli import build_parser
+
+    subs = _subparsers(build_parser())
+    assert len(subs) >= 12
+    for sub in subs:
+        assert sub.format_help().startswith("usage:"), sub.prog

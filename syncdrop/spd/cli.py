@@ -164,10 +164,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="relative predicted perplexity increase allowed, e.g. 0.01 = 1%%")
     p.add_argument("--sensitivity", default="progressive", choices=SENSITIVITIES,
                    help="which sensitivity to sort by (default progressive)")
+    tau1, tau2 = (t.replace("%", "%%") for t in (DEFAULT_TAU1, DEFAULT_TAU2))  # argparse expands % in help
     p.add_argument("--tau1", default=DEFAULT_TAU1,
-                   help=f"zero-shot tier bound: ppl delta or %% of baseline (default {DEFAULT_TAU1}, see docs/spd.md)")
+                   help=f"zero-shot tier bound: ppl delta or %% of baseline (default {tau1}, see docs/spd.md)")
     p.add_argument("--tau2", default=DEFAULT_TAU2,
-                   help=f"B2B tier bound: ppl delta, or %% of baseline ppl (default {DEFAULT_TAU2}, see docs/spd.md)")
+                   help=f"B2B tier bound: ppl delta, or %% of baseline ppl (default {tau2}, see docs/spd.md)")
     p.add_argument("--out", required=True, help="plan JSON to write (usable as --plan everywhere)")
     p.set_defaults(func=cmd_plan)
     return p
