@@ -10,7 +10,7 @@ EXP := experiments
 	zero-shot-spd zero-shot-recovery zero-shot-gutenberg cost-model \
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
-	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread
+	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread spd-compressed
 
 # ---- SPD block design, SPD fraction sweeps, B2B learning rate ------------------------------------------------
 
@@ -282,3 +282,30 @@ cost-model: $(STAMP)
 recovery-order-spread: $(STAMP)
 	$(BIN)/python $(EXP)/recovery_order_spread.py --run runs/demo --fraction 0.5 \
 		--out results/recovery_order_spread/demo_spd050
+
+# ---- SPD with compressed sync points on the rest -------------------------------------------------------------
+
+# SPD 25%, 50% and 70% of SmolLM2 TP=3 (the profile's order) recovered as `recovery-full` does (head grouping + B2B,
+# 32 windows x 3 epochs at lr 1e-3, one bank for all fractions; then end to end on 128 WikiText-2 valid windows of 512
+# at 3e-5) but trained end to end through int8 on every sync point kept, every block trained; scored on all 304
+# test windows and on 500 documents of three zero-shot tasks (dense's caches reused from compressed-ppl)
+SC := runs/spd_compressed
+SC_FRACTIONS := 025 050 070
+spd-compressed: $(STAMP)
+	mkdir -p $(SC)
+	$(foreach f,$(SC_FRACTIONS),$(BIN)/syncdrop plan --profile results/spd_sweep_tp3/profile.json --spd 0.$(f:0%=%) \
+		--out $(SC)/spd$(f).json &&) true
+	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan $(SC)/spd070.json --tier hg+b2b --samples 32 --epochs 3 \
+		--lr 1e-3 --heldout 4 --seq-len 512 --calib wikitext2:valid --out $(SC)/bank
+	$(foreach f,$(SC_FRACTIONS),$(BIN)/syncdrop distill --model $(SC)/bank --tp 3 --plan $(SC)/spd$(f).json+int8 \
+		--method e2e --samples 128 --heldout 4 --seq-len 512 --calib wikitext2:valid --out $(SC)/spd$(f)_int8_e2e &&) true
+	$(foreach f,$(SC_FRACTIONS),mkdir -p results/compressed_ppl/tp3_spd$(f)_int8_e2e304_nll \
+		results/compressed_zero_shot/tp3_500_spd$(f)_int8_e2e_docs \
+		&& cp -n results/compressed_ppl/tp3_all304_nll/f769d3d60a0757b4.json results/compressed_ppl/tp3_spd$(f)_int8_e2e304_nll/ \
+		&& cp -n results/compressed_zero_shot/tp3_500_docs/fc162c4fdf23f9ef.json \
+			results/compressed_zero_shot/tp3_500_spd$(f)_int8_e2e_docs/ \
+		&& $(BIN)/python benchmarks/compressed_ppl.py --model $(SC)/spd$(f)_int8_e2e --tp 3 --windows 304 \
+			--configs spd:0.$(f:0%=%)+int8 --out results/compressed_ppl/tp3_spd$(f)_int8_e2e304 \
+		&& $(BIN)/python benchmarks/compressed_zero_shot.py --model $(SC)/spd$(f)_int8_e2e --tp 3 \
+			--configs spd:0.$(f:0%=%)+int8 --tasks arc_easy,piqa,lambada_openai --limit 500 \
+			--out results/compressed_zero_shot/tp3_500_spd$(f)_int8_e2e &&) true
