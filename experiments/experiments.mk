@@ -10,7 +10,8 @@ EXP := experiments
 	zero-shot-spd zero-shot-recovery zero-shot-gutenberg cost-model \
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
-	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread spd-compressed
+	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread spd-compressed \
+	compressed-ppl compressed-recovery compression-profile compressed-speed wire-codec
 
 # ---- SPD block design, SPD fraction sweeps, B2B learning rate ------------------------------------------------
 
@@ -282,6 +283,55 @@ cost-model: $(STAMP)
 recovery-order-spread: $(STAMP)
 	$(BIN)/python $(EXP)/recovery_order_spread.py --run runs/demo --fraction 0.5 \
 		--out results/recovery_order_spread/demo_spd050
+
+# ---- Compressed sync points -----------------------------------------------------------------------------------
+
+# Compressed sync points (docs/compression.md): perplexity of wire formats, SPD and both against dense, paired per
+# window (SmolLM2 TP=3, zero-shot; 16 windows for every configuration and the Hadamard-rotated int4, all 304 for
+# int8 and fp8), and zero-shot accuracy of int8 against dense on 500 documents of three tasks
+compressed-ppl: $(STAMP)
+	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --out results/compressed_ppl/tp3
+	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --configs int4,int4:g32,int4h,int4h:g32,spd:0.7+int4h:g32 \
+		--out results/compressed_ppl/tp3_hadamard
+	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 304 --configs int8,fp8 --out results/compressed_ppl/tp3_all304
+	$(BIN)/python benchmarks/compressed_zero_shot.py --tp 3 --configs int8,fp8 \
+		--tasks arc_easy,piqa,lambada_openai --limit 500 --out results/compressed_zero_shot/tp3_500
+
+# recovery through the compressed all-reduce: every block of SmolLM2 TP=3 trained end to end under int4 (plain, then
+# Hadamard-rotated) in groups of 32 (64 WikiText-2 valid windows of 512, one epoch), then scored on the 16 test
+# windows of compressed-ppl; the rotated one also on all 304 and on 500 zero-shot documents of three tasks
+compressed-recovery: $(STAMP)
+	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan int4:g32 --method e2e --samples 64 --heldout 2 \
+		--seq-len 512 --calib wikitext2:valid --out runs/int4g32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4g32_e2e --tp 3 --windows 16 --configs int4:g32 \
+		--out results/compressed_ppl/tp3_int4g32_e2e
+	$(BIN)/syncdrop distill --model smollm2 --tp 3 --plan int4h:g32 --method e2e --samples 64 --heldout 2 \
+		--seq-len 512 --calib wikitext2:valid --out runs/int4hg32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4hg32_e2e --tp 3 --windows 16 --configs int4h:g32 \
+		--out results/compressed_ppl/tp3_int4hg32_e2e
+	$(BIN)/python benchmarks/compressed_ppl.py --model runs/int4hg32_e2e --tp 3 --windows 304 --configs int4h:g32 \
+		--out results/compressed_ppl/tp3_int4hg32_e2e304
+	$(BIN)/python benchmarks/compressed_zero_shot.py --model runs/int4hg32_e2e --tp 3 --configs int4h:g32 \
+		--tasks arc_easy,piqa,lambada_openai --limit 500 --out results/compressed_zero_shot/tp3_500_int4hg32_e2e
+
+# every sync point's sensitivity to int8 and to int4 in groups of 32 (SmolLM2 TP=3, 8 WikiText-2 valid windows of 512)
+compression-profile: $(STAMP)
+	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int8 --out results/compression_profile/tp3_int8.json
+	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int4:g32 --out results/compression_profile/tp3_int4g32.json
+
+# compressed sync side by side (docs/compression.md): dense with fp32 and bf16 wires, SPD 70%, int8, int4 and both
+# combined, in vLLM with the plugin, stock vLLM and syncdrop's runtime (TP=2, synthetic 8-head model)
+COMPRESSED_PLANS = none,bf16,frac:0.7,int8,int4,frac:0.7+int8,frac:0.7+int4
+compressed-speed: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 100MB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp2_100MBps
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --parts syncdrop \
+		--out results/compressed_speed/tp2_1GBps
+
+# one rank's encode/decode time per sync point against the link time its bytes save
+wire-codec: $(STAMP)
+	$(BIN)/python benchmarks/wire_codec.py --out results/wire_codec/cpu
 
 # ---- SPD with compressed sync points on the rest -------------------------------------------------------------
 
