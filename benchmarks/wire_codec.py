@@ -65,7 +65,8 @@ def time_once(wire: WireFormat, x: torch.Tensor, tp: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="bf16,fp8,int8,int4,int4:g32", help="comma-separated wire formats")
+    ap.add_argument("--formats", default="bf16,fp8,int8,int4,int4:g32,int8h,int4h:g32",
+                    help="comma-separated wire formats")
     ap.add_argument("--hidden", default="576,4096", help="comma-separated hidden sizes (SmolLM2-135M, Llama-8B)")
     ap.add_argument("--tokens", default="1,128,1024", help="comma-separated token counts (decode ... prefill)")
     ap.add_argument("--tp", default="2,3", help="comma-separated TP degrees")
