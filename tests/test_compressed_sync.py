@@ -66,6 +66,19 @@ def test_hadamard_by_hand() -> None:
     assert WireFormat("int4h", 32).group_bytes == WireFormat("int4", 32).group_bytes == 18
 
 
+def test_hadamard_bits_do_not_depend_on_batching() -> None:
+    """Each group's bits are the same whether it is rotated alone or among many (what lets the simulated and
+    the distributed executors agree), and the caller's tensor is never written, a single group included."""
+    x = torch.randn(257, 32, generator=torch.Generator().manual_seed(1)) * 30.0
+    whole = hadamard(x)
+    for i in (0, 1, 128, 256):
+        one = x[i : i + 1].clone()
+        assert torch.equal(hadamard(one), whole[i : i + 1]) and torch.equal(one, x[i : i + 1])
+    assert torch.equal(hadamard(x.t().contiguous().t()), whole)  # a non-contiguous view of the same values
+    assert torch.equal(hadamard(x[:7].reshape(7, 2, 16).transpose(1, 2).reshape(7, 32)), hadamard(
+        x[:7].reshape(7, 2, 16).transpose(1, 2).contiguous().reshape(7, 32)))
+
+
 @pytest.mark.parametrize("fmt", WIRE_FORMATS)
 @pytest.mark.parametrize("tp,tokens", [(2, 1), (3, 5), (4, 3)])
 def test_two_step_equals_quantise_sum_quantise(fmt: str, tp: int, tokens: int) -> None:

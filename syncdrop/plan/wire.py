@@ -59,21 +59,27 @@ _ROTATED = {"int8h": "int8", "int4h": "int4"}  # a Hadamard-rotated format -> th
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """``(..., G)`` -> ``(..., G)``: each group times ``H_G / sqrt(G)`` (Sylvester's Hadamard matrix, symmetric,
     so the map is its own inverse), by ``log2 G`` butterfly stages: stage ``h`` replaces each pair
-    ``(a, b)`` of values ``h`` apart within a block of ``2h`` by ``(a + b, a - b)``."""
+    ``(a, b)`` of values ``h`` apart within a block of ``2h`` by ``(a + b, a - b)``.
+
+    The stages run on the groups transposed, ``(G, n)`` for ``n`` groups, so that each add and subtract
+    sweeps ``h n`` contiguous values instead of ``h`` (1.3-1.9x faster on a CPU core for SmolLM2's payloads);
+    every value sees the same float32 operations either way, so the bits do not depend on the layout."""
     import torch
 
     G = x.shape[-1]
-    lead = x.shape[:-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)  # the stages write into it, then the two buffers swap
+    n = x.numel() // G
+    t = x.reshape(n, G).t().clone(memory_format=torch.contiguous_format)  # (G, n): a copy, never the caller's
+    out = torch.empty_like(t)  # the stages write into it, then the two buffers swap
     h = 1
     while h < G:
-        y, o = x.view(*lead, G // (2 * h), 2, h), out.view(*lead, G // (2 * h), 2, h)  # (..., blocks, 2, h)
-        torch.add(y[..., 0, :], y[..., 1, :], out=o[..., 0, :])
-        torch.sub(y[..., 0, :], y[..., 1, :], out=o[..., 1, :])
-        x, out = out, (x if h > 1 else torch.empty_like(x))  # never write into the caller's tensor
+        y, o = t.view(G // (2 * h), 2, h, n), out.view(G // (2 * h), 2, h, n)  # (blocks, 2, h, n)
+        torch.add(y[:, 0], y[:, 1], out=o[:, 0])
+        torch.sub(y[:, 0], y[:, 1], out=o[:, 1])
+        t, out = out, t
         h *= 2
-    return x * (1.0 / math.sqrt(G))
+    return (t * (1.0 / math.sqrt(G))).t().reshape(x.shape)  # (G, n) -> (..., G)
+
+
 _SCALE_BYTES = 2  # bfloat16
 
 
