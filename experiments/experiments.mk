@@ -328,6 +328,12 @@ compressed-speed: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --parts syncdrop \
 		--out results/compressed_speed/tp2_1GBps
+	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
+		--link-bandwidth 100MB/s --link-latency 50us --plans $(BUDGET_PLANS) --parts vllm,syncdrop \
+		--out results/compressed_speed/tp2_100MBps_budget
+
+# the plans that hold (or come nearest) the accuracy budget of docs/compression.md, beside dense with a bf16 wire
+BUDGET_PLANS = none,bf16,int8,frac:0.25+int8,frac:0.5+int8,int4h:g32
 
 # one rank's encode/decode time per sync point against the link time its bytes save
 wire-codec: $(STAMP)
