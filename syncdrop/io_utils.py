@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,12 +85,17 @@ def portable_path(path: str | Path) -> str:
     return str(p)
 
 
+def command_line() -> str:
+    """This process's command (the script's name and its arguments), quoted where an argument needs it."""
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def provenance() -> dict[str, Any]:
     """Command, commit and machine facts stored in every result file."""
     import torch
 
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,

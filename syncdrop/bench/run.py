@@ -253,12 +253,12 @@ def _launch_ranks(s: BenchSettings, progress: bool) -> list[dict[str, Any]]:
     import tempfile
 
     from syncdrop.cli_args import check_launch_devices
-    from syncdrop.io_utils import atomic_write_json
+    from syncdrop.io_utils import atomic_write_json, command_line
     from syncdrop.parallel.dist import RankFailure
     from syncdrop.parallel.launch import launch
 
     check_launch_devices(s.device, s.backend, s.tp)
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])  # the caller's, for the documents' provenance
+    command = command_line()  # the caller's, for the documents' provenance
     with tempfile.TemporaryDirectory(prefix="syncdrop_bench_") as tmp:
         job = Path(tmp)
         atomic_write_json(job / JOB, {"settings": s.to_dict(), "progress": progress, "command": command})
