@@ -320,7 +320,7 @@ compression-profile: $(STAMP)
 	$(BIN)/syncdrop profile --model smollm2 --tp 3 --wire int4:g32 --out results/compression_profile/tp3_int4g32.json
 
 # compressed sync side by side (docs/compression.md): dense with fp32 and bf16 wires, SPD 70%, int8, int4 and both
-# combined, in vLLM with the plugin, stock vLLM and syncdrop's runtime (TP=2, synthetic 8-head model)
+# combined, in vLLM with the plugin, stock vLLM and syncdrop's runtime (TP=2: synthetic 8-head model; TP=3: SmolLM2)
 COMPRESSED_PLANS = none,bf16,frac:0.7,int8,int4,frac:0.7+int8,frac:0.7+int4
 compressed-speed: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
@@ -331,6 +331,8 @@ compressed-speed: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 100MB/s --link-latency 50us --plans $(BUDGET_PLANS) --parts vllm,syncdrop \
 		--out results/compressed_speed/tp2_100MBps_budget
+	$(BIN)/python benchmarks/vllm_latency.py --tp 3 --decode-tokens 4 --link-bandwidth 100MB/s --link-latency 50us \
+		--plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp3_100MBps
 
 # the plans that hold (or come nearest) the accuracy budget of docs/compression.md, beside dense with a bf16 wire
 BUDGET_PLANS = none,bf16,int8,frac:0.25+int8,frac:0.5+int8,int4h:g32
