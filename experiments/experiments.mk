@@ -326,8 +326,7 @@ compressed-speed: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 100MB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp2_100MBps
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
-		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --parts syncdrop \
-		--out results/compressed_speed/tp2_1GBps
+		--link-bandwidth 1GB/s --link-latency 50us --plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp2_1GBps
 	$(BIN)/python benchmarks/vllm_latency.py --model runs/synthetic_8h --synthetic --tp 2 --decode-tokens 4 \
 		--link-bandwidth 100MB/s --link-latency 50us --plans $(BUDGET_PLANS) --parts vllm,syncdrop \
 		--out results/compressed_speed/tp2_100MBps_budget
