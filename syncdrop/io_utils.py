@@ -57,14 +57,16 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def git_commit() -> str | None:
-    """Commit of the syncdrop checkout (suffixed ``-dirty`` when it has local changes), if any."""
-    root = Path(__file__).resolve().parent.parent
+def git_commit(root: str | Path | None = None) -> str | None:
+    """Commit of the syncdrop checkout (or of the git work tree at ``root``), suffixed ``-dirty`` when it has
+    local changes, if any. Changes under ``results/`` do not count: a run that rewrites its own committed result
+    files ran the committed code."""
+    root = Path(__file__).resolve().parent.parent if root is None else Path(root)
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"],
+                               cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
