@@ -366,3 +366,7 @@ spd-compressed: $(STAMP)
 		&& $(BIN)/python benchmarks/compressed_zero_shot.py --model $(SC)/spd$(f)_int8_e2e --tp 3 \
 			--configs spd:0.$(f:0%=%)+int8 --tasks arc_easy,piqa,lambada_openai --limit 500 \
 			--out results/compressed_zero_shot/tp3_500_spd$(f)_int8_e2e &&) true
+	$(BIN)/python $(EXP)/recovery_compare.py --out results/compressed_ppl/tp3_spd_int8_vs_spd \
+		$(foreach f,050 070,--pair "SPD 0.$(f:0%=%) + int8 (all blocks e2e through int8) / SPD 0.$(f:0%=%) (dropped blocks e2e), \
+			128 windows each=results/compressed_ppl/tp3_spd$(f)_int8_e2e304.json#spd:0.$(f:0%=%)+int8:$\
+			results/recovery/tp3_full/nll/hg+b2b+e2e_f0.$(patsubst %0,%,$(f:0%=%)).json")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,24 +22,36 @@ from syncdrop.bench.stats import paired_ppl_ratio
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 
 
+def load_nll(spec: str) -> tuple[list[float], tuple[int, int]]:
+    """Per-window NLLs and the window shape ``(count, tokens)`` of a sweep's ``nll/*.json`` file, or of one
+    plan of a ``compressed_ppl.py`` result (``OUT.json#PLAN``)."""
+    path, _, plan = spec.partition("#")
+    d = json.loads(Path(path).read_text())
+    if plan:
+        if plan not in d.get("window_nll", {}):
+            raise SystemExit(f"--pair: {path} has no plan {plan!r} (it has {', '.join(d.get('window_nll', {}))})")
+        return d["window_nll"][plan], tuple(d["settings"]["windows_shape"])
+    return d["window_nll"], tuple(d["key"]["windows"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", action="append", required=True,
-                    help="NAME=A.json:B.json[@N] (ratio A / B, on the first N windows with @N); repeatable")
+                    help="NAME=A.json[#PLAN]:B.json[#PLAN][@N] (ratio A / B, on the first N windows with @N); "
+                         "repeatable")
     ap.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = ap.parse_args(argv)
     rows = []
     for item in args.pair:
         name, sep, files = item.rpartition("=")
         files, at, first = files.partition("@")
-        fa, _, fb = files.partition(":")
-        if (not sep or not name or not Path(fa).is_file() or not Path(fb).is_file()
+        m = re.fullmatch(r"(.+?):([^:#]+\.json(?:#.+)?)", files)  # B: the first ``PATH.json[#PLAN]`` after a colon
+        fa, fb = m.groups() if m else (files, "")
+        if (not sep or not name or not all(Path(f.partition("#")[0]).is_file() for f in (fa, fb) if f) or not fb
                 or (at and not (first.isdigit() and int(first) > 0))):
             raise SystemExit(f"--pair: expected NAME=A.json:B.json[@N] with both files present and N a positive "
                              f"window count, got {item!r}")
-        da, db = (json.loads(Path(f).read_text()) for f in (fa, fb))
-        a, b = da["window_nll"], db["window_nll"]
-        (na, la), (nb, lb) = da["key"]["windows"], db["key"]["windows"]
+        (a, (na, la)), (b, (nb, lb)) = load_nll(fa), load_nll(fb)
         if at:
             n = int(first)
             if la != lb or min(len(a), len(b)) < n:
