@@ -288,7 +288,7 @@ recovery-order-spread: $(STAMP)
 
 # Compressed sync points (docs/compression.md): perplexity of wire formats, SPD and both against dense, paired per
 # window (SmolLM2 TP=3, zero-shot; 16 windows for every configuration and the Hadamard-rotated int4, all 304 for
-# int8 and fp8), and zero-shot accuracy of int8 against dense on 500 documents of three tasks
+# int8 and fp8), and zero-shot accuracy of int8 and fp8 against dense on 500 documents of three tasks
 compressed-ppl: $(STAMP)
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --out results/compressed_ppl/tp3
 	$(BIN)/python benchmarks/compressed_ppl.py --tp 3 --windows 16 --configs int4,int4:g32,int4h,int4h:g32,spd:0.7+int4h:g32 \
