@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from syncdrop.errors import SyncdropError
 from syncdrop.models.config import ModelConfig
@@ -53,3 +54,18 @@ def test_head_order_permutes_heads() -> None:
 def test_unservable_tp(n: int, message: str) -> None:
     with pytest.raises(SyncdropError, match=message):
         check_tp(SMOL, n)
+
+
+def test_column_weight_is_the_stacked_padded_slices_permuted() -> None:
+    """The fused-QKV / gate-up layout built with one copy equals its definition: every rank's slices padded to
+    their sizes, stacked to (R, out_r, h) and permuted to (h, R*out_r); padding is zero."""
+    from syncdrop.parallel.weights import _column_weight
+
+    g = torch.Generator().manual_seed(0)
+    h, sizes = 7, (5, 3, 3)
+    parts = [[torch.randn(n, h, generator=g) for n in rows] for rows in ((5, 3, 2), (4, 1, 3), (5, 3, 3))]
+    padded = [torch.cat([torch.cat([p, torch.zeros(n - p.shape[0], h)]) for p, n in zip(ps, sizes, strict=True)])
+              for ps in parts]
+    expected = torch.stack(padded).permute(2, 0, 1).reshape(h, -1)  # (h, R*out_r)
+    got = _column_weight(parts, sizes)
+    assert got.is_contiguous() and torch.equal(got, expected)

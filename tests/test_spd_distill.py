@@ -334,3 +334,73 @@ def test_bf16_distillation_trains_float32_masters(tiny_opt_dir, tmp_path, tier) 
             out = block_forward(x, student.blocks[0], student.geos[0], cfg, student.comm, c, BlockSync(DROP))
             losses.append(torch.nn.functional.mse_loss(out.float(), y.float()).item())
     assert sum(losses) / len(losses) == pytest.approx(st["heldout_loss"], rel=1e-6)
+
+
+def _train_block_by_the_book(params, layer, cfg, layout, train, train_y, held, held_y, s):
+    """The textbook loop :func:`train_block` must equal: one AdamW over every tensor, a step after each
+    backward, a copy of every epoch's weights that beats the best so far."""
+    from syncdrop.parallel.block import block_forward
+    from syncdrop.parallel.comm import SimulatedComm
+    from syncdrop.parallel.weights import TensorSource, block_weights, local_geometry
+    from syncdrop.spd.distill import SPD_BLOCK
+
+    geo = local_geometry(cfg, layout, range(layout.tp), "cpu")
+    P = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+
+    def loss(x, c, y):
+        w = block_weights(TensorSource(P), cfg, geo, layout, layer, x.dtype)
+        out = block_forward(x, w, geo, cfg, SimulatedComm(layout.tp), c, SPD_BLOCK)
+        return torch.nn.functional.mse_loss(out.float(), y.float())
+
+    def held_loss():
+        with torch.no_grad():
+            return sum(loss(x, c, y).double() for (x, c), y in zip(held, held_y, strict=True)).item() / len(held)
+
+    opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
+    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + layer)
+    best, best_epoch, best_w = held_loss(), 0, {k: v.detach().clone() for k, v in P.items()}
+    for epoch in range(1, s.epochs + 1):
+        for j in torch.randperm(len(train), generator=gen).tolist():
+            opt.zero_grad()
+            loss(*train[j], train_y[j]).backward()
+            opt.step()
+        if (h := held_loss()) < best:
+            best, best_epoch, best_w = h, epoch, {k: v.detach().clone() for k, v in P.items()}
+    return best_w, best_epoch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_block_equals_the_textbook_loop(tiny_llama_dir, dtype) -> None:
+    """Stepping each tensor's AdamW inside the backward pass and reading the originals again instead of
+    copying them gives the textbook loop's weights bit for bit, whichever epoch is selected (the learning
+    rates below make the original weights, a middle epoch and the last epoch win, each checked)."""
+    from syncdrop.parallel.block import block_forward
+    from syncdrop.spd.distill import train_block
+
+    src = resolve_model(str(tiny_llama_dir))
+    cfg, layer = src.config, 1
+    teacher = simulated_model(cfg, src.reader, 2, dtype=dtype)
+    w = _windows(src, 7, 16)
+    batches = _batches(teacher, w, 1)
+    ys = [block_forward(x, teacher.blocks[layer], teacher.geo, cfg, teacher.comm, c) for x, c in batches]
+    layout = ShardLayout.build(cfg, 2)
+    names = layer_names(layer, cfg)
+
+    def original():
+        return {n: src.reader.get(n).float().clone() for n in names}
+
+    selected = set()
+    for lr in (3e-2, 4e-3, 1e-3):
+        s = DistillSettings(lr=lr, epochs=5)
+        ref, ref_epoch = _train_block_by_the_book(original(), layer, cfg, layout, batches[:5], ys[:5],
+                                                  batches[5:], ys[5:], s)
+        for reread in (True, False):
+            params = original()
+            st = train_block(params, layer, cfg, layout, batches[:5], ys[:5], batches[5:], ys[5:], s,
+                             original=original if reread else None)
+            assert st["selected_epoch"] == ref_epoch, (lr, st["heldout_curve"])
+            for k in ref:
+                assert torch.equal(params[k], ref[k]), (lr, reread, k)
+        selected.add(ref_epoch)
+    assert 0 in selected and 5 in selected and selected & {1, 2, 3, 4}, selected
+

@@ -39,6 +39,20 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+def return_large_frees_at_once(threshold: int = 1 << 20) -> None:
+    """Have glibc serve every allocation of ``threshold`` bytes or more with its own ``mmap`` (``mallopt``'s
+    ``M_MMAP_THRESHOLD``; nothing elsewhere), so that a freed tensor's pages go back to the system when it is
+    freed. glibc's default threshold adapts upwards to 32 MB as large blocks are freed, after which a streaming
+    model's per-block tensors and a training step's transients (re-sharded weights, gradients) reuse and
+    fragment the heap: measured on a 2048-wide Llama block in bfloat16, B2B distillation's peak anonymous
+    memory fell from 1.33 to 1.10 GiB with this set. Process-wide and idempotent; a streaming model sets it."""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
 def _libc() -> Any:  # glibc, or None (macOS, musl: no malloc_trim)
     import ctypes
     import ctypes.util
@@ -46,6 +60,8 @@ def _libc() -> Any:  # glibc, or None (macOS, musl: no malloc_trim)
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         lib.malloc_trim.argtypes = [ctypes.c_size_t]
+        if hasattr(lib, "mallopt"):
+            lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         return lib
     except (OSError, AttributeError):
         return None
@@ -62,6 +78,8 @@ class BlockStore:
         if resident is not None and resident < 1:
             raise ValueError(f"resident must be at least 1 block, got {resident}")
         self._build, self._n, self.resident = build, n, resident
+        if resident is not None:
+            return_large_frees_at_once()
         # least recently used first: blocks by number, replicated tensors by name (streaming only)
         self._held: OrderedDict[int | str, BlockWeights | torch.Tensor] = OrderedDict()
         self._set: dict[int, BlockWeights] = {}

@@ -156,9 +156,17 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _column_weight(parts: list[list[torch.Tensor]], sizes: Sequence[int]) -> torch.Tensor:
     """Stack per-rank row slices ``parts[r][k]`` (each padded to ``sizes[k]`` rows) into ``(h, R*out)``."""
-    per_rank = [torch.cat([_pad_rows(p, n) for p, n in zip(ps, sizes, strict=True)], 0) for ps in parts]
-    stacked = torch.stack(per_rank, 0)  # (R, out_r, h)
-    return stacked.permute(2, 0, 1).reshape(stacked.shape[2], -1).contiguous()  # (h, R*out_r)
+    # one copy: column block r holds rank r's slices side by side, each transposed to (h, rows) and followed by
+    # its zero padding; the same values as stacking the padded (out_r, h) slices to (R, out_r, h) and
+    # permuting to (h, R*out_r), without the two intermediate copies (a block's weights are built on every
+    # training step)
+    pieces = []
+    for ps in parts:
+        for p, n in zip(ps, sizes, strict=True):
+            pieces.append(p.t())  # (h, rows)
+            if n > p.shape[0]:
+                pieces.append(p.new_zeros((p.shape[1], n - p.shape[0])))  # (h, n - rows)
+    return torch.cat(pieces, dim=1)  # (h, R*out_r)
 
 
 def _column_bias(parts: list[list[torch.Tensor]], sizes: Sequence[int]) -> torch.Tensor:

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,34 @@ def _mse(model_out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model_out.float(), target.float())
 
 
+def _step_in_backward(params: list[torch.Tensor], s: DistillSettings) -> list[Any]:
+    """Give every tensor of ``params`` its own AdamW, stepped (and its gradient freed) by a hook as soon as the
+    backward pass has accumulated that tensor's gradient. AdamW's update is element-wise per tensor, so this is
+    the update of one AdamW over all of them, without holding every gradient at once (torch's "fusing the
+    optimizer step into the backward pass"). Returns the hook handles (remove them when done)."""
+    def step(p: torch.Tensor) -> None:
+        opt = opts[id(p)]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    opts = {id(p): torch.optim.AdamW([p], lr=s.lr, weight_decay=s.weight_decay) for p in params}
+    return [p.register_post_accumulate_grad_hook(step) for p in params]
+
+
 def train_block(
     params: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, layout: ShardLayout,
     train: list[Batch], train_y: list[torch.Tensor], held: list[Batch], held_y: list[torch.Tensor],
-    s: DistillSettings, bar: Any = None,
+    s: DistillSettings, bar: Any = None, original: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Distil block ``layer`` in place (``params``: its dense tensors, float32, owned by the caller: AdamW updates
     them). Returns stats.
+
+    Memory: the float32 masters and AdamW's two moments (12 bytes per trained parameter) are what stays; each
+    parameter's step runs as soon as its gradient is complete (a hook on the backward pass, one AdamW per
+    tensor: element-wise the same update as one AdamW over all of them), so the block's gradients never coexist.
+    ``original``: reads the block's starting weights again, the epoch-0 candidate of ``keep_best``, so no copy of
+    them is held (default: a copy); a copy of the best epoch's weights is held only while a later epoch may
+    still beat it.
 
     ``params`` are the float32 master copies that AdamW updates; the student runs in the batches' dtype
     (each step casts the masters to it, a differentiable cast, so bfloat16 activations train float32
@@ -171,20 +193,20 @@ def train_block(
                 total += _mse(student(x, c), y).double()
         return total.item() / len(held)
 
-    opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
+    hooks = _step_in_backward(list(P.values()), s)
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + layer)  # on the host: it orders Python indices
     t0 = time.perf_counter()
     zs = held_loss()
     train_curve, held_curve = [], []
-    best, best_epoch, best_params = zs, 0, {k: v.detach().clone() for k, v in P.items()}
+    # the best epoch's weights: None while they are the originals (read again at the end, or copied now)
+    best, best_epoch = zs, 0
+    best_params = None if original is not None else {k: v.detach().clone() for k, v in P.items()}
     for epoch in range(1, s.epochs + 1):
         total = torch.zeros((), dtype=torch.float64, device=device)
         for j in torch.randperm(len(train), generator=gen).tolist():
             (x, ctx), y = train[j], train_y[j]
             loss = _mse(student(x, ctx), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss.backward()  # every tensor's AdamW step runs in here, as its gradient completes
             total += loss.detach().double()
             if bar is not None:
                 bar.update(1)
@@ -192,10 +214,19 @@ def train_block(
         held_curve.append(held_loss())
         if held_curve[-1] < best:
             best, best_epoch = held_curve[-1], epoch
-            best_params = {k: v.detach().clone() for k, v in P.items()}
+            # the last epoch's weights are P itself; an earlier best is copied (a later epoch may change P)
+            best_params = {k: v.detach().clone() for k, v in P.items()} if epoch < s.epochs else None
         if bar is not None:
             bar.set_postfix(block=layer, held=f"{zs:.4g}->{held_curve[-1]:.4g}")
-    final = best_params if s.keep_best else {k: v.detach() for k, v in P.items()}
+    for h in hooks:
+        h.remove()
+    if not s.keep_best or best_epoch == s.epochs:
+        final = {k: v.detach() for k, v in P.items()}
+    elif best_params is not None:
+        final = best_params
+    else:  # the originals won: read them again (``original`` is set, else best_params holds their copy)
+        del P
+        final = original()  # type: ignore[misc]
     for k in params:
         params[k] = final[k]
     return {"heldout_loss_zs": zs, "heldout_loss": best if s.keep_best else held_curve[-1],
@@ -302,7 +333,10 @@ def distill(
                     load_block(out / fname)  # fail now, not at load time, if the file is damaged
                 else:
                     names = layer_names(i, cfg)
-                    params = {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
+                    def read_params(names: list[str] = names) -> dict[str, torch.Tensor]:
+                        return {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
+
+                    params = read_params()
                     head_order = ffn_order = None
                     hg = None
                     if tier == "hg+b2b":
@@ -312,7 +346,8 @@ def distill(
                     layout = ShardLayout.build(cfg, tp, head_order, ffn_order)
                     inputs = ([(x, c) for x, (_, c) in zip(s_train, train, strict=True)],
                               [(x, c) for x, (_, c) in zip(s_held, held, strict=True)]) if sequential else (train, held)
-                    stats = train_block(params, i, cfg, layout, inputs[0], train_y, inputs[1], held_y, settings, bar)
+                    stats = train_block(params, i, cfg, layout, inputs[0], train_y, inputs[1], held_y, settings, bar,
+                                        original=read_params)
                     stats["head_grouping"] = hg
                     meta = {"settings_sha": sha, "layer": i, "tier": tier, "head_order": head_order,
                             "ffn_order": ffn_order, "stats": stats}
