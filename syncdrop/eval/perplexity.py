@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from syncdrop.errors import SyncdropError
+from syncdrop.parallel.block_store import release_free_memory
 
 
 class CausalLM(Protocol):
@@ -57,6 +58,7 @@ def text_windows(tokenizer, text: str, seq_len: int, count: int, what: str, requ
     (no special tokens added; W <= count); a :class:`SyncdropError` naming ``what`` (e.g.
     ``"--calib wikitext2:valid"``) when the text holds fewer than ``required`` (default ``count``)."""
     w = make_windows(tokenizer(text, add_special_tokens=False)["input_ids"], seq_len, count)
+    release_free_memory()  # the tokenizer's encoding of the whole text, freed: its heap pages back to the system
     if w.shape[0] < (count if required is None else required):
         raise SyncdropError(f"{what} has only {w.shape[0]} windows of {seq_len} tokens; {count} are needed")
     return w

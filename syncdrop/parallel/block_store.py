@@ -134,6 +134,14 @@ class BlockStore:
         w = self._held[key] = read()
         return w
 
+    def drop_held(self) -> None:
+        """Drop every block and replicated tensor a streaming store holds (set blocks stay): memory for work
+        that needs none of them for a while (training a block on targets already computed); the next access
+        reads again."""
+        if self.streams and self._held:
+            self._held.clear()
+            release_free_memory()
+
     def __setitem__(self, i: int, w: BlockWeights) -> None:
         self._set[i % self._n] = w  # shadows the checkpoint's block until deleted
 

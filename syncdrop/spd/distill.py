@@ -332,6 +332,7 @@ def distill(
                     bar.update(settings.epochs * len(train))
                     load_block(out / fname)  # fail now, not at load time, if the file is damaged
                 else:
+                    teacher.blocks.drop_held()  # block i's targets are computed: its weights are not needed again
                     names = layer_names(i, cfg)
                     def read_params(names: list[str] = names) -> dict[str, torch.Tensor]:
                         return {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
