@@ -165,8 +165,8 @@ def train_block(
     parameter's step runs as soon as its gradient is complete (a hook on the backward pass, one AdamW per
     tensor: element-wise the same update as one AdamW over all of them), so the block's gradients never coexist.
     ``original``: reads the block's starting weights again, the epoch-0 candidate of ``keep_best``, so no copy of
-    them is held (default: a copy); a copy of the best epoch's weights is held only while a later epoch may
-    still beat it.
+    them is held (default: a copy); a copy of the best epoch's weights is held, on the host, only while a later
+    epoch may still beat it.
 
     ``params`` are the float32 master copies that AdamW updates; the student runs in the batches' dtype
     (each step casts the masters to it, a differentiable cast, so bfloat16 activations train float32
@@ -214,8 +214,10 @@ def train_block(
         held_curve.append(held_loss())
         if held_curve[-1] < best:
             best, best_epoch = held_curve[-1], epoch
-            # the last epoch's weights are P itself; an earlier best is copied (a later epoch may change P)
-            best_params = {k: v.detach().clone() for k, v in P.items()} if epoch < s.epochs else None
+            # the last epoch's weights are P itself; an earlier best is copied (a later epoch may change P), to the
+            # host: on an accelerator the copy takes no device memory
+            best_params = ({k: v.detach().to("cpu", copy=True) for k, v in P.items()} if epoch < s.epochs
+                           else None)
         if bar is not None:
             bar.set_postfix(block=layer, held=f"{zs:.4g}->{held_curve[-1]:.4g}")
     for h in hooks:
@@ -223,7 +225,7 @@ def train_block(
     if not s.keep_best or best_epoch == s.epochs:
         final = {k: v.detach() for k, v in P.items()}
     elif best_params is not None:
-        final = best_params
+        final = {k: v.to(device) for k, v in best_params.items()}
     else:  # the originals won: read them again (``original`` is set, else best_params holds their copy)
         del P
         final = original()  # type: ignore[misc]
