@@ -332,6 +332,8 @@ compressed-speed: $(STAMP) $(VLLM_STAMP)
 		--out results/compressed_speed/tp2_100MBps_budget
 	$(BIN)/python benchmarks/vllm_latency.py --tp 3 --decode-tokens 4 --link-bandwidth 100MB/s --link-latency 50us \
 		--plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp3_100MBps
+	$(BIN)/python benchmarks/vllm_latency.py --tp 3 --decode-tokens 4 --link-bandwidth 1GB/s --link-latency 50us \
+		--plans $(COMPRESSED_PLANS) --out results/compressed_speed/tp3_1GBps
 
 # the plans that hold (or come nearest) the accuracy budget of docs/compression.md, beside dense with a bf16 wire
 BUDGET_PLANS = none,bf16,int8,frac:0.25+int8,frac:0.5+int8,int4h:g32
