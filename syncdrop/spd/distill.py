@@ -337,7 +337,11 @@ def distill(
                     teacher.blocks.drop_held()  # block i's targets are computed: its weights are not needed again
                     names = layer_names(i, cfg)
                     def read_params(names: list[str] = names) -> dict[str, torch.Tensor]:
-                        return {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
+                        params = {n: _owned_float32(source.reader.get(n), teacher.device) for n in names}
+                        release = getattr(source.reader, "release", None)
+                        if release is not None:  # unmap the checkpoint: its pages read would stay resident
+                            release()
+                        return params
 
                     params = read_params()
                     head_order = ffn_order = None
