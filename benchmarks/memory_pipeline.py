@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -131,6 +132,7 @@ def main() -> int:
                 "--max-windows", "4", "--json", str(work / "ppl.json")],
     }
     rows = {}
+    shutil.rmtree(work / "distilled", ignore_errors=True)  # distill resumes from finished block files: start empty
     for name, cmd in runs.items():
         rows[name] = {**peak_memory(cmd, work / f"{name}.log"), "command": " ".join(cmd[1:]).replace(str(work), "WORK")}
         rows[name] |= {"rss_over_model": rows[name]["peak_rss_gib"] * GIB / model_bytes,
