@@ -279,6 +279,7 @@ def test_bench_tp1_batch2_single_process(tiny_llama_dir, text_file, tmp_path, mo
     res = run_bench(tiny_llama_dir, text_file, tmp_path, "--batch", "2", "--plans", "none,all")
     s = res["settings"]
     assert (s["runtime"], s["backend"], s["tp"], s["batch"], s["prompt_len"]) == ("single-process", None, 1, 2, 8)
+    assert (s["prompt_text"]["dataset"], s["prompt_text"]["source"]) == (text_file.name, "file"), s["prompt_text"]
     ar = res["allreduce"]
     assert (ar["prefill"]["tokens"], ar["prefill"]["bytes"]) == (16, 16 * 48 * 4)
     assert (ar["decode"]["tokens"], ar["decode"]["bytes"]) == (2, 2 * 48 * 4)

@@ -191,7 +191,7 @@ def _measure(s: BenchSettings, progress: bool) -> list[dict[str, Any]] | None:
     built = rt.build(s.model, s.tp, None, s.drop_variant, progress=False)
     L = built.source.config.num_layers
     plans = [(spec, model_plan(built.source, spec, s.tp, s.drop_variant, what="plans")) for spec in s.plans]
-    ids = prompt_tokens(built.source.load_tokenizer(), s.dataset, s.prompt_len * s.batch, s.data_dir)
+    ids, prompt_text = prompt_tokens(built.source.load_tokenizer(), s.dataset, s.prompt_len * s.batch, s.data_dir)
     prompt = torch.tensor(ids).view(s.batch, s.prompt_len)  # (B, S)
     for _, plan in plans:  # build every plan's model before timing (distilled directories: once per block set)
         built.use_plan(plan)
@@ -204,7 +204,8 @@ def _measure(s: BenchSettings, progress: bool) -> list[dict[str, Any]] | None:
     memory = built.memory()  # a collective: every rank
     if not built.is_main:
         return None
-    settings = {"model": built.source.name, "tp": s.tp, "prompt_len": s.prompt_len, "batch": s.batch,
+    settings = {"model": built.source.name, "tp": s.tp, "prompt_len": s.prompt_len, "prompt_text": prompt_text,
+                "batch": s.batch,
                 "decode_tokens": s.decode_tokens, "reps": s.reps, "warmup": s.warmup, "dtype": s.dtype,
                 "exact_reduce": s.exact_reduce,
                 "runtime": "distributed" if built.dist else "single-process", "backend": rt.backend,
@@ -230,10 +231,10 @@ def _measure_vllm(s: BenchSettings) -> dict[str, Any]:
     from syncdrop.serve.vllm_bench import vllm_bench
 
     source = resolve_model(s.model)
-    prompt = prompt_tokens(source.load_tokenizer(), s.dataset, s.prompt_len, s.data_dir)
+    prompt, prompt_text = prompt_tokens(source.load_tokenizer(), s.dataset, s.prompt_len, s.data_dir)
     res = vllm_bench(s.model, s.tp, list(s.plans), prompt, s.decode_tokens, s.reps, s.warmup, s.work_dir, s.link,
                      s.max_reps, s.target_ci, stock=s.stock, dtype=s.dtype)
-    settings = {"model": source.name, "tp": s.tp, "prompt_len": s.prompt_len, "batch": 1,
+    settings = {"model": source.name, "tp": s.tp, "prompt_len": s.prompt_len, "prompt_text": prompt_text, "batch": 1,
                 "decode_tokens": s.decode_tokens, "reps": s.reps, "warmup": s.warmup, "dtype": s.dtype,
                 "link": s.link.to_dict(), "link_description": s.link.describe(), "engine": res["engine"]["name"],
                 "max_reps": s.max_reps, "target_ci": s.target_ci, "hidden_size": source.config.hidden_size,

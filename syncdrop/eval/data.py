@@ -242,10 +242,13 @@ def describe(info: dict[str, Any]) -> str:
     return f"{info.get('dataset')} ({info.get('path')}, from {where})"
 
 
-def prompt_tokens(tokenizer: Any, dataset: str, n_tokens: int, data_dir_override: str | None = None) -> list[int]:
-    """The first ``n_tokens`` token ids of ``dataset`` (a benchmark prompt: real text, no special tokens)."""
-    text = load_text(dataset, data_dir_override).text
-    ids = tokenizer(text[: 40 * n_tokens], add_special_tokens=False)["input_ids"]  # plenty of text
+def prompt_tokens(tokenizer: Any, dataset: str, n_tokens: int, data_dir_override: str | None = None
+                  ) -> tuple[list[int], dict[str, str]]:
+    """The first ``n_tokens`` token ids of ``dataset`` (a benchmark prompt: real text, no special tokens), and
+    what the text was (:meth:`TextDataset.info`: ``auto`` resolves to WikiText-2 where the data folder has it,
+    else to a fallback, and a result file must say which)."""
+    data = load_text(dataset, data_dir_override)
+    ids = tokenizer(data.text[: 40 * n_tokens], add_special_tokens=False)["input_ids"]  # plenty of text
     if len(ids) < n_tokens:
         raise SyncdropError(f"has fewer than {n_tokens} tokens", field="dataset")
-    return ids[:n_tokens]
+    return ids[:n_tokens], data.info()
