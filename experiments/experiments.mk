@@ -11,7 +11,7 @@ EXP := experiments
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
 	recovery-full recovery-order recovery-gap recovery-compare recovery-order-spread spd-compressed \
-	compressed-ppl compressed-recovery compression-profile compressed-speed wire-codec
+	compressed-ppl compressed-recovery compression-profile compressed-speed wire-codec memory
 
 # ---- SPD block design, SPD fraction sweeps, B2B learning rate ------------------------------------------------
 
@@ -372,3 +372,15 @@ spd-compressed: $(STAMP)
 		$(foreach f,050 070,--pair "SPD 0.$(f:0%=%) + int8 (all blocks e2e through int8) / SPD 0.$(f:0%=%) (dropped blocks e2e), \
 			128 windows each=results/compressed_ppl/tp3_spd$(f)_int8_e2e304.json#spd:0.$(f:0%=%)+int8:$\
 			results/recovery/tp3_full/nll/hg+b2b+e2e_f0.$(patsubst %0,%,$(f:0%=%)).json")
+
+# ---- memory -------------------------------------------------------------------------------------------------
+
+# peak memory of export, and of profile / distill / ppl streamed, on random-weight bfloat16 Llamas (docs/memory.md);
+# the models (2.9-4.3 GB each) are written under MEMORY_WORK, outside the repository
+MEMORY_WORK ?= /tmp/syncdrop_memory
+memory: $(STAMP)
+	$(BIN)/python benchmarks/memory_export.py --out results/memory/export
+	$(BIN)/python benchmarks/memory_pipeline.py --work $(MEMORY_WORK)/32l --layers 32 --seq-len 32 \
+		--out results/memory/pipeline
+	$(BIN)/python benchmarks/memory_pipeline.py --work $(MEMORY_WORK)/48l --layers 48 --seq-len 32 \
+		--out results/memory/pipeline_48l
