@@ -2,7 +2,8 @@
 and run ``make test`` and ``make demo`` there, each from a fresh ``.venv``.
 
 Writes ``OUT.json`` (provenance, per command: exit code, wall seconds, the pytest summary line or
-the demo's chosen plan, and the lines that say what was skipped) and ``OUT.md``. The clone goes to
+the demo's chosen plan, and the lines that say what was skipped, the temporary folder written as
+``<workdir>``) and ``OUT.md``. The clone goes to
 ``--workdir`` (default: a new temporary folder whose parent has no ``shared/data``). Example:
 
     python benchmarks/fresh_clone.py --out results/fresh_clone
@@ -52,8 +53,9 @@ def main() -> int:
         log.info("make %s in %s ...", target, clone)
         code, secs, text = run(["make", target], clone, work / f"make_{target}.log", env)
         summary_re = re.compile(r"\d+ passed|\d+ failed|error|^chosen:|^report:")
-        summary = [ln for ln in text.splitlines() if summary_re.search(ln)][-3:]
-        skipped = [ln for ln in text.splitlines() if "SKIPPED" in ln or "skipped" in ln.lower()][:20]
+        log_lines = text.replace(str(work), "<workdir>").splitlines()  # no machine paths in results/
+        summary = [ln for ln in log_lines if summary_re.search(ln)][-3:]
+        skipped = [ln for ln in log_lines if "SKIPPED" in ln or "skipped" in ln.lower()][:20]
         rows.append({"target": target, "exit_code": code, "wall_s": secs, "summary": summary, "skipped": skipped})
         log.info("make %s: exit %d in %.0f s", target, code, secs)
     atomic_write_json(args.out + ".json", {"provenance": provenance(), "clone_commit": commit,
