@@ -6,7 +6,7 @@
 
 EXP := experiments
 
-.PHONY: ablation ablation-64 spd-sweep lr-scan caat-ablation caat-ablation-seed1 caat-latency lm-eval-parity \
+.PHONY: ablation ablation-64 spd-sweep spd-profile recovery-zs lr-scan caat-ablation caat-ablation-seed1 caat-latency lm-eval-parity \
 	zero-shot-spd zero-shot-recovery zero-shot-gutenberg cost-model \
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
@@ -50,6 +50,16 @@ recovery: $(STAMP)
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3
 	for f in 0.7 1; do $(BIN)/python $(EXP)/recovery_scan_summary.py --work runs/recovery/tp3 --fraction $$f \
 		--scan results/recovery/tp3 --out results/recovery/tp3/e2e_f$$f || exit 1; done
+
+# the TP=3 zero-shot profile alone (the drop order of every TP=3 recovery run; spd-sweep computes it too, in
+# results/spd_sweep_tp3/profile.json: the same order), and the zero-shot rows of `make recovery` alone
+# (64 test windows, per-window NLLs equal to results/recovery/tp3/nll/'s), each in minutes
+spd-profile: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m syncdrop profile --model smollm2 --tp 3 --calib wikitext2:valid --samples 4 \
+		--seq-len 512 --out results/spd_profile_tp3/profile.json --no-png
+recovery-zs: $(STAMP)
+	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods zs --windows 64 \
+		--out results/recovery/tp3_zs --work runs/recovery/tp3_zs
 
 # the same sweep at TP=2 (syncdrop's uneven layout: 5 + 4 query heads), its own profile and banks
 # (runs/recovery/tp2, results/recovery/tp2)
