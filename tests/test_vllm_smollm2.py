@@ -4,10 +4,10 @@ executor on the same tokens.
 One engine per engine mode: a ``syncdrop distill`` directory (blocks 5 and 20 head-grouped and distilled for
 TP=3) exported under plan ``all``, so every block runs the SPD block in vLLM, two of them with distilled
 weights whose MLP-channel grouping is baked into the export, and 28 zero-shot. The default suite serves it
-eager; vLLM's default compilation of the same export is the slow twin (``make test-slow``): its Inductor
-build at TP=3 on two cores takes ~2 minutes, and the compiled SPD path is already in the default suite on the
-tiny Llama (``test_export.py``'s bfloat16 export, ``test_vllm_server.py``) and OPT (``test_vllm_families.py``,
-``test_vllm_compressed.py``).
+eager; vLLM's default compilation of the same export is the slow twin (``make test-slow``, and a pass of
+``.ci/run`` of its own): its Inductor build at TP=3 on two cores takes 2-4 minutes. The compiled SPD path is in
+the default suite too, on the tiny Llama (``test_export.py``'s bfloat16 export, ``test_vllm_server.py``) and OPT
+(``test_vllm_families.py``, ``test_vllm_compressed.py``).
 """
 
 from __future__ import annotations
