@@ -6,7 +6,8 @@
 
 EXP := experiments
 
-.PHONY: ablation ablation-64 spd-sweep spd-profile recovery-zs lr-scan caat-ablation caat-ablation-seed1 caat-latency lm-eval-parity \
+.PHONY: ablation ablation-64 spd-sweep spd-profile recovery-zs lr-scan caat-ablation caat-ablation-seed1 \
+	caat-latency lm-eval-parity \
 	zero-shot-spd zero-shot-recovery zero-shot-gutenberg cost-model \
 	recovery recovery-tp2 recovery-lr-scan recovery-calib recovery-e2e512 recovery-e2e1024 recovery-e2e \
 	recovery-e2e-gutenberg recovery-e2e512-gutenberg recovery-e2e-gutenberg-only recovery-lora-scan \
