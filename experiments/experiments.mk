@@ -47,7 +47,7 @@ lr-scan: $(STAMP)
 # WikiText-2 test (64 windows of 1024) with paired bootstrap intervals against dense; model directories in
 # runs/recovery/tp3, every stage resumable (results/recovery/tp3/{recovery.json,recovery.md,recovery.png,times.json})
 recovery: $(STAMP)
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp3
 	for f in 0.7 1; do $(BIN)/python $(EXP)/recovery_scan_summary.py --work runs/recovery/tp3 --fraction $$f \
 		--scan results/recovery/tp3 --out results/recovery/tp3/e2e_f$$f || exit 1; done
@@ -65,7 +65,7 @@ recovery-zs: $(STAMP)
 # the same sweep at TP=2 (syncdrop's uneven layout: 5 + 4 query heads), its own profile and banks
 # (runs/recovery/tp2, results/recovery/tp2)
 recovery-tp2: $(STAMP)
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 2 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 2 --fractions 0.25,0.5,0.7,1.0 --methods zs,b2b,hg+b2b,hg+b2b+e2e,hg+seq \
 		--windows 64 --block-samples 8 --block-epochs 10 --e2e-samples 64 --e2e-lr 3e-5 --out results/recovery/tp2
 
 # the end-to-end learning-rate scan at SPD 50% (the bank and the dense evaluation of `make recovery` reused)
@@ -113,7 +113,7 @@ recovery-e2e: $(STAMP)
 		r=$${w#*:}; d=$${r%%:*}; src=$${r#*:}; \
 		mkdir -p results/recovery/tp3_$$d/nll; test -e results/recovery/tp3_$$d/nll/dense.json \
 			|| cp results/recovery/$$src/nll/dense.json results/recovery/tp3_$$d/nll/ || exit 1; \
-		$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions $(EF) --methods hg+b2b+e2e --windows $$n \
+		OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions $(EF) --methods hg+b2b+e2e --windows $$n \
 			--block-samples 32 --block-epochs 3 --e2e-samples $(EN) --e2e-seq-len $(ES) --e2e-lr 3e-5 \
 			--out results/recovery/tp3_$$d || exit 1; done
 
@@ -122,7 +122,7 @@ recovery-e2e: $(STAMP)
 recovery-e2e-gutenberg: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2e256g256/nll; test -e results/recovery/tp3_bank32_e2e256g256/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e256g256/nll/
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 256 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e256g256
 
@@ -133,7 +133,7 @@ EGF ?= 0.5
 recovery-e2e512-gutenberg: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2e512g256/nll; test -e results/recovery/tp3_bank32_e2e512g256/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2e512g256/nll/
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions $(EGF) --methods hg+b2b+e2e --windows 64 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions $(EGF) --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 512 --e2e-gutenberg 256 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2e512g256
 
@@ -141,7 +141,7 @@ recovery-e2e512-gutenberg: $(STAMP)
 recovery-e2e-gutenberg-only: $(STAMP)
 	mkdir -p results/recovery/tp3_bank32_e2eg512/nll; test -e results/recovery/tp3_bank32_e2eg512/nll/dense.json \
 		|| cp results/recovery/tp3/nll/dense.json results/recovery/tp3_bank32_e2eg512/nll/
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.7 --methods hg+b2b+e2e --windows 64 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 0 --e2e-gutenberg 512 --e2e-lr 3e-5 \
 		--out results/recovery/tp3_bank32_e2eg512
 
@@ -151,7 +151,7 @@ LORA_LRS ?= 1e-4 3e-4 1e-3
 recovery-lora-scan: $(STAMP)
 	for lr in $(LORA_LRS); do d=results/recovery/tp3_lora_scan/lora_lr$$lr; mkdir -p $$d/nll; \
 		test -e $$d/nll/dense.json || cp results/recovery/tp3/nll/dense.json $$d/nll/ || exit 1; \
-		$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 64 \
+		OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.5 --methods hg+b2b+e2e --windows 64 \
 			--block-samples 32 --block-epochs 3 --e2e-samples 64 --e2e-adapter lora --e2e-lr $$lr --out $$d \
 			|| exit 1; done
 	$(BIN)/python $(EXP)/recovery_scan_summary.py --work runs/recovery/tp3 --fraction 0.5 \
@@ -160,7 +160,7 @@ recovery-lora-scan: $(STAMP)
 # all 304 WikiText-2 test windows of 1024: HG+B2B bank 32 x 3, then e2e on 128 valid windows, at SPD 50% and 70%
 # (models from `make recovery-calib`)
 recovery-full: $(STAMP)
-	$(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 304 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/recovery_sweep.py --tp 3 --fractions 0.5,0.7 --methods hg+b2b+e2e --windows 304 \
 		--block-samples 32 --block-epochs 3 --e2e-samples 128 --e2e-lr 3e-5 --out results/recovery/tp3_full
 
 # the recovered drop order: a profile of the HG+B2B bank on valid windows 8-15 (not trained on), then HG+B2B in
@@ -238,7 +238,7 @@ zero-shot-spd: $(STAMP)
 # SPD 70% from `make recovery-e2e512`: e2e on 512 windows) on the 8 local tasks, 500 documents each (MMLU: 9 per
 # subject, 513), paired per-document differences; resumable per task (results/zero_shot_recovery/runs/<config>/)
 zero-shot-recovery: $(STAMP)
-	$(BIN)/python $(EXP)/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/zero_shot_spd.py --tp 3 --fractions "" --limit 500 --mmlu-limit 9 \
 		--model-dirs "best 50%=runs/recovery/tp3/hg+b2b+e2e_f0.5_full_lr3e-05_n128_ep1_n32_ep3_s512,best 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n128_ep1_n32_ep3_s512,e2e512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n512_ep1_n32_ep3_s512" \
 		--out results/zero_shot_recovery
 
@@ -249,7 +249,7 @@ zero-shot-recovery: $(STAMP)
 ZS_G256 := e2e256+g256 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n256_ep1_g256_n32_ep3_s512
 ZS_G512 := e2e g512 70%=runs/recovery/tp3/hg+b2b+e2e_f0.7_full_lr3e-05_n0_ep1_g512_n32_ep3_s512
 zero-shot-gutenberg: $(STAMP)
-	$(BIN)/python $(EXP)/zero_shot_spd.py --tp 3 --fractions 0.5 --variants zs --limit 500 --mmlu-limit 9 \
+	OMP_NUM_THREADS=1 $(BIN)/python $(EXP)/zero_shot_spd.py --tp 3 --fractions 0.5 --variants zs --limit 500 --mmlu-limit 9 \
 		--model-dirs "$(ZS_G256),$(ZS_G512)" --out results/zero_shot_gutenberg
 
 # ---- Partial channel reduce (CAAT-Net) ------------------------------------------------------------------------
