@@ -24,7 +24,7 @@ from pathlib import Path
 
 from syncdrop.caat.data import load_corpus, train_tokenizer
 from syncdrop.caat.train import TrainSettings, train
-from syncdrop.eval.data import data_dir
+from syncdrop.eval.data import data_dir, in_data_dir
 from syncdrop.io_utils import atomic_write_json, atomic_write_png, atomic_write_text, provenance
 
 VARIANTS = {  # name -> (p, scale, mask)
@@ -93,15 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _in_data_dir(path: str) -> str:
-    """``path`` relative to the data folder when it lies there (``gutenberg/...``): the result file is read on
-    other machines, where this machine's data folder means nothing; any other path is kept as given."""
-    try:
-        return str(Path(path).resolve().relative_to(data_dir().resolve()))
-    except ValueError:
-        return path
-
-
 def _write(args: argparse.Namespace, runs: dict[str, dict]) -> list[str]:
     """Write OUT.json / OUT.md / OUT.png for the finished variants; returns the table lines."""
     rows = {n: {"sync_fraction": VARIANTS[n][0], "scale": VARIANTS[n][1], "mask": VARIANTS[n][2],
@@ -110,9 +101,9 @@ def _write(args: argparse.Namespace, runs: dict[str, dict]) -> list[str]:
             for n, r in runs.items()}
     first = next(iter(runs.values()))
     settings = {k: v for k, v in first["settings"].items() if k not in ("sync_fraction", "scale", "mask")}
-    settings["corpus"] = _in_data_dir(settings["corpus"])
-    first = {**first, "train_books": [_in_data_dir(b) for b in first["train_books"]],
-             "val_books": [_in_data_dir(b) for b in first["val_books"]]}
+    settings["corpus"] = in_data_dir(settings["corpus"])
+    first = {**first, "train_books": [in_data_dir(b) for b in first["train_books"]],
+             "val_books": [in_data_dir(b) for b in first["val_books"]]}
     atomic_write_json(f"{args.out}.json", {"settings": settings, "train_books": first["train_books"],
                                            "val_books": first["val_books"], "train_tokens": first["train_tokens"],
                                            "provenance": provenance(), "variants": rows})

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from syncdrop.eval.data import data_dir
 from syncdrop.io_utils import atomic_write_json, atomic_write_text, provenance
 from syncdrop.plan import BlockSync, Partial, SyncPlan
 
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     mixed_path = root / "plan_mixed.json"
     mixed.save(mixed_path)
     partial_name, partial_dir = f"p={args.p:g}", train[f"p={args.p:g}"]["dir"]
-    val_book = train["p=1"]["val_books"][0]
+    # train.json records the book relative to the data folder; the command line gets it relative to here
+    val_book = os.path.relpath(data_dir() / train["p=1"]["val_books"][0])
     # (model, plan spec, label, trained with this plan?)
     cases = [("p=1", "none", "full sync (p=1)", True),
              (partial_name, f"partial:{args.p:g}", f"partial p={args.p:g}", True),

@@ -4,6 +4,7 @@ exported model against transformers, a resumable run."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,26 @@ def test_train_bad_input(tmp_path, corpus, extra, msg, capsys) -> None:
     assert main(args) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_train_records_data_folder_paths_relative(tmp_path, corpus, monkeypatch) -> None:
+    """A run on the data folder's books records them relative to it (``gutenberg/a.txt``), so train.json
+    and the checkpoint's settings hold no path of this machine; a file outside the folder keeps its path."""
+    from syncdrop.eval.data import in_data_dir
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data / "gutenberg")
+    monkeypatch.setenv("SYNCDROP_DATA", str(data))
+    out = tmp_path / "run"
+    args = _train_args(out, corpus, steps=2)
+    i = args.index("--corpus")
+    del args[i:i + 2]  # the default corpus: the data folder's gutenberg/
+    assert main(args) == 0
+    text = (out / "train.json").read_text()
+    result = json.loads(text)
+    assert result["settings"]["corpus"] == "gutenberg"
+    assert sorted(result["train_books"] + result["val_books"]) == ["gutenberg/a.txt", "gutenberg/b.txt",
+                                                                    "gutenberg/c.txt"]
+    assert str(tmp_path) not in text
+    assert str(tmp_path) not in (out / "checkpoint" / "state.json").read_text()
+    assert in_data_dir(corpus / "a.txt") == str(corpus / "a.txt")

@@ -98,6 +98,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     the simulated executor on the CPU); returns the result dict (also written to ``OUT/train.json``).
     Parameters, batches and optimizer state live on the runtime's device; initialisation and batch
     offsets are drawn on the host from seeded generators, so a run is the same on every device."""
+    from syncdrop.eval.data import in_data_dir
     from syncdrop.io_utils import atomic_write_json, provenance
     from syncdrop.progress import progress_bar
     from syncdrop.runtime import choose_runtime
@@ -109,7 +110,7 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     clock = device_clock(device)  # synchronises the device before each reading (tokens/s)
     out = Path(out_dir)
     main = dist_ctx is None or dist_ctx.is_main
-    settings = {**asdict(s), "corpus": str(Path(corpus).resolve())}
+    settings = {**asdict(s), "corpus": in_data_dir(corpus)}  # no machine path: resumes and results travel
     data = load_corpus(corpus, s.val_books, s.seed)
     tok_dir = out / "tokenizer"
     tok = None
@@ -177,7 +178,8 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
             _save(out / "checkpoint", params, opt, state)
     bar.close()
     result = {"settings": settings, "model_config": cfg.to_dict(), "plan": plan.to_dict(),
-              "train_books": data.train_books, "val_books": data.val_books,
+              "train_books": [in_data_dir(b) for b in data.train_books],
+              "val_books": [in_data_dir(b) for b in data.val_books],
               "train_tokens": int(train_ids.numel()), "val_tokens_scored": int(vw.shape[0] * s.seq_len),
               "train_loss": state["train_loss"], "val_loss": state["val_loss"],
               "final_val_loss": state["val_loss"][-1][1], "tokens_per_s": state["tokens_per_s"],

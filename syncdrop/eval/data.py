@@ -83,6 +83,19 @@ def data_dir(override: str | None = None) -> Path:
     return Path(env) if env else (REPO_ROOT.parent / "shared" / "data")
 
 
+
+def in_data_dir(path: str | Path) -> str:
+    """``path`` as a result file records it: relative to the data folder (:func:`data_dir`, without an
+    override) when it lies there, e.g. ``gutenberg/nltk_gutenberg/austen-emma.txt``; any other path as given.
+
+    Result files are read on other machines, where this machine's data folder means nothing; a reader joins
+    the recorded path to its own data folder.
+    """
+    try:
+        return str(Path(path).resolve().relative_to(data_dir().resolve()))
+    except ValueError:
+        return str(path)
+
 def hub_offline() -> str | None:
     """The offline variable that is set (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), else None."""
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
