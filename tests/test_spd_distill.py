@@ -263,7 +263,8 @@ def test_bank_subset_equals_distilling_the_plan(tiny_llama_dir, tmp_path) -> Non
         write_subset(tmp_path / "bad", tmp_path / "bank", plan, str(tiny_llama_dir), 3)
 
 
-def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, text_file, tmp_path, caplog) -> None:
+def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, text_file, tmp_path, caplog,
+                                                               monkeypatch) -> None:
     """``syncdrop profile --model BANK``: each block's recovered isolated perplexity is the perplexity
     of the bank under the plan dropping that block alone, and the progressive one for block 0 that of
     the bank with every block dropped, each built and evaluated from scratch on the same windows
@@ -276,6 +277,7 @@ def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, t
     _distill(src, 2, tmp_path / "bank", "hg+b2b", blocks=(0, 1), epochs=2)
     common = ["--tp", "2", "--calib", str(text_file), "--samples", "2", "--skip", "1", "--seq-len", "16", "-q",
               "--no-png"]
+    monkeypatch.chdir(tmp_path)  # the bank's path is recorded relative to the working directory, not absolute
     with caplog.at_level(logging.WARNING, logger="syncdrop.runtime"):
         assert main(["profile", "--model", str(tmp_path / "bank"), *common, "--out", str(tmp_path / "rec.json")]) == 0
     # every plan but the all-dropped one keeps a distilled block's sync: one warning for the directory, not one each
@@ -283,6 +285,7 @@ def test_recovered_profile_equals_the_banks_plans_from_scratch(tiny_llama_dir, t
     assert sum("another form of their block" in m for m in warnings) == 1
     assert main(["profile", "--model", str(tiny_llama_dir), *common, "--out", str(tmp_path / "zs.json")]) == 0
     rec, zs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("rec", "zs"))
+    assert rec["recovered"]["bank"] == "bank"
     assert rec["recovered"]["blocks"] == [0, 1] and "recovered" not in zs and rec["calib"]["skip"] == 1
     assert rec["baseline_ppl"] == pytest.approx(zs["baseline_ppl"], rel=1e-6)
     ids = src.load_tokenizer()(text_file.read_text(), add_special_tokens=False)["input_ids"]

@@ -66,7 +66,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from syncdrop.cli_args import runtime_from_args
     from syncdrop.eval.data import load_text
     from syncdrop.eval.perplexity import text_windows
-    from syncdrop.io_utils import atomic_write_json
+    from syncdrop.io_utils import atomic_write_json, portable_path
     from syncdrop.spd.profile import plot_profile, profile_sensitivity
 
     if args.tp < 2:
@@ -102,8 +102,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     windows = text_windows(built.source.load_tokenizer(), data.text, args.seq_len, n,
                            f"--calib {args.calib} (for --skip {args.skip} --samples {args.samples})")[args.skip :]
     prof = profile_sensitivity(built.model, windows, args.batch_size, progress=not args.quiet, donor=donor)
-    extra = {"recovered": {"bank": spd.path, "blocks": sorted(spd.blocks), "method": spd.data.get("distill", {})}
-             } if spd is not None else {}
+    extra = {"recovered": {"bank": portable_path(spd.path), "blocks": sorted(spd.blocks),
+                           "method": spd.data.get("distill", {})}} if spd is not None else {}
     d = prof.to_dict(built.source.name, args.tp, {"dataset": data.name, "path": data.path, "skip": args.skip},
                      model_spec=args.model, dtype=args.dtype, batch_size=args.batch_size, **extra)
     atomic_write_json(args.out, d)
