@@ -110,7 +110,8 @@ def train(s: TrainSettings, corpus: str, out_dir: str | Path, progress: bool = T
     clock = device_clock(device)  # synchronises the device before each reading (tokens/s)
     out = Path(out_dir)
     main = dist_ctx is None or dist_ctx.is_main
-    settings = {**asdict(s), "corpus": in_data_dir(corpus)}  # no machine path: resumes and results travel
+    # the data folder's books relative to it (resumes and results travel); any other corpus resolved, as one run
+    settings = {**asdict(s), "corpus": in_data_dir(Path(corpus).resolve())}
     data = load_corpus(corpus, s.val_books, s.seed)
     tok_dir = out / "tokenizer"
     tok = None

@@ -83,7 +83,6 @@ def data_dir(override: str | None = None) -> Path:
     return Path(env) if env else (REPO_ROOT.parent / "shared" / "data")
 
 
-
 def in_data_dir(path: str | Path) -> str:
     """``path`` as a result file records it: relative to the data folder (:func:`data_dir`, without an
     override) when it lies there, e.g. ``gutenberg/nltk_gutenberg/austen-emma.txt``; any other path as given.
