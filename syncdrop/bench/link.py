@@ -19,8 +19,8 @@ wait spins: the rank holds its core as a rank whose peer is sending holds its de
 compute starts on a warm core. Otherwise (more ranks than cores, e.g. TP=3 on 2 cores) spinning would
 take the core from the rank that shares it, so the wait sleeps until ~0.2 ms before the deadline, then
 spins; both are accurate to a few microseconds (plain ``time.sleep`` overshoots by 50-100 us). Sleeping
-has a cost of its own that a link does not have: measured at TP=2 on a 113 MB/s link, each sync point
-took 1.8 ms more than the wait and the compute between them 70 ms more per prefill
+has a cost of its own that a link does not have: measured at TP=2 on a 136 MB/s link, each sync point
+took 0.4 ms more than the un-emulated one plus the wait, and the compute between them 40 ms more per prefill
 (``results/operating_point/tp2_sleep_wait/``, docs/cost_model.md), which the cost model, calibrated
 without emulation, cannot predict. Use the emulation to ask "what if our ranks talked over a
 link of this speed?" on one machine.
