@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                 name = Path(json.loads(nll.read_text())["key"]["model"]).name  # the model the sweep evaluated
                 named.add(name)
                 evaluated[name] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
-                if "e2e" in r:  # the sweep recorded the stage's curve: no model directory needed
+                if "e2e" in r and name not in {Path(x["dir"]).name for x in rows}:
+                    # the sweep recorded the stage's curve: no model directory needed (one row per model, however
+                    # many scanned sweeps evaluated it)
                     e = r["e2e"]
                     rows.append({"dir": name, "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
                                  "train_windows": e["train_windows"], "heldout_curve": e["heldout_curve"],
@@ -61,10 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         row.update(evaluated.get(name, {}))
         rows.append(row)
     rows.sort(key=lambda r: (r["adapter"], r["lr"], r["epochs"]))
-    if not rows and Path(args.out + ".json").exists():
-        # a fresh clone: the model directories are gone and these results rows predate their recorded curves
-        print(f"no end-to-end curves found under {args.work} or in the results rows: {args.out}.json kept as it is")
+    missing = sorted(named - {Path(r["dir"]).name for r in rows})
+    if (missing or not rows) and Path(args.out + ".json").exists():
+        # model directories gone (a fresh clone, another checkout) and results rows that predate their recorded
+        # curves: a summary without those models would silently lose rows, so the existing one stays
+        print(f"no end-to-end curve under {args.work} or in the results rows for {', '.join(missing) or 'any model'}: "
+              f"{args.out}.json kept as it is")
         return 0
+    if missing:
+        print(f"no end-to-end curve for {', '.join(missing)}: left out of {args.out}.json")
     lines = [f"End-to-end distillation scan at SPD {args.fraction:.0%} (held-out KL to the original model on the "
              "held-out calibration windows; epoch 0 = the start, kept when no epoch improves on it).", "",
              "| adapter | lr | epochs | held-out KL (start -> per epoch) | epoch kept | ppl vs dense | min |",

@@ -470,3 +470,35 @@ def test_distill_cli_e2e_method_for_a_compressed_plan(tiny_llama_dir, text_file,
     assert "--method e2e" in capsys.readouterr().err
     assert main([*base[:-1], str(tmp_path / "none"), "--plan", "none", "--method", "e2e"]) == 2
     assert "drops or compresses" in capsys.readouterr().err
+
+
+def test_scan_summary_lists_a_model_once_and_keeps_its_file_when_a_curve_is_missing(tmp_path) -> None:
+    """experiments/recovery_scan_summary.py: a model that two scanned sweeps evaluated is one row, not two; and
+    when a model a scanned sweep trained has no curve anywhere (its directory gone, its results row older than
+    recorded curves), an existing summary is kept rather than rewritten without that model."""
+    import json
+
+    summary = _benchmark("recovery_scan_summary")
+    e2e = {"adapter": "full", "lr": 3e-5, "epochs": 1, "train_windows": [64, 512], "heldout_curve": [0.1, 0.07],
+           "selected_epoch": 1, "seconds": 60.0}
+    model = "hg+b2b+e2e_f0.5_full_lr3e-05_n64_ep1"
+    for sweep_dir in ("a", "b"):
+        d = tmp_path / "results" / sweep_dir
+        (d / "nll").mkdir(parents=True)
+        (d / "nll" / "hg+b2b+e2e_f0.5.json").write_text(json.dumps({"key": {"model": f"runs/{model}"}}))
+        row = {"fraction": 0.5, "method": "hg+b2b+e2e", "ratio": 1.03, "ratio_ci": [1.02, 1.04], "e2e": e2e}
+        (d / "recovery.json").write_text(json.dumps({"rows": [row], "times": {f"e2e:{model}": 60.0}}))
+    out = tmp_path / "scan"
+    args = ["--work", str(tmp_path / "gone"), "--fraction", "0.5", "--scan", str(tmp_path / "results"),
+            "--out", str(out)]
+    assert summary.main(args) == 0
+    rows = json.loads((tmp_path / "scan.json").read_text())["rows"]
+    assert [r["dir"] for r in rows] == [model]
+    # a third sweep trained another model whose curve nothing holds: the summary above stays as it is
+    d = tmp_path / "results" / "c"
+    d.mkdir()
+    other = "e2e:hg+b2b+e2e_f0.5_full_lr1e-04_n64_ep1"
+    (d / "recovery.json").write_text(json.dumps({"rows": [], "times": {other: 1.0}}))
+    before = (tmp_path / "scan.json").read_text()
+    assert summary.main(args) == 0
+    assert (tmp_path / "scan.json").read_text() == before
