@@ -38,18 +38,19 @@ def main(argv: list[str] | None = None) -> int:
                 nll = f.parent / "nll" / f"{r['method']}_f{r['fraction']:g}.json"
                 if not nll.exists():
                     continue
-                name = Path(json.loads(nll.read_text())["key"]["model"]).name  # the model the sweep evaluated
+                spec = json.loads(nll.read_text())["key"]["model"]  # the model directory the sweep evaluated
+                name = Path(spec).name
                 named.add(name)
                 evaluated[name] = {"ratio": r["ratio"], "ratio_ci": r["ratio_ci"], "file": str(f)}
                 if "e2e" in r and name not in {Path(x["dir"]).name for x in rows}:
                     # the sweep recorded the stage's curve: no model directory needed (one row per model, however
                     # many scanned sweeps evaluated it)
                     e = r["e2e"]
-                    rows.append({"dir": name, "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
+                    rows.append({"dir": spec, "adapter": e["adapter"], "lr": e["lr"], "epochs": e["epochs"],
                                  "train_windows": e["train_windows"], "heldout_curve": e["heldout_curve"],
                                  "selected_epoch": e["selected_epoch"], "seconds": e["seconds"],
                                  **evaluated[name]})
-    recorded = {r["dir"] for r in rows}
+    recorded = {Path(r["dir"]).name for r in rows}
     for man in sorted(Path(args.work).glob(f"*{tag}*/syncdrop.json")):
         name = man.parent.name
         if name not in named or name in recorded:

@@ -473,9 +473,10 @@ def test_distill_cli_e2e_method_for_a_compressed_plan(tiny_llama_dir, text_file,
 
 
 def test_scan_summary_lists_a_model_once_and_keeps_its_file_when_a_curve_is_missing(tmp_path) -> None:
-    """experiments/recovery_scan_summary.py: a model that two scanned sweeps evaluated is one row, not two; and
-    when a model a scanned sweep trained has no curve anywhere (its directory gone, its results row older than
-    recorded curves), an existing summary is kept rather than rewritten without that model."""
+    """experiments/recovery_scan_summary.py: a model that two scanned sweeps evaluated is one row, not two, named
+    by the directory the sweep evaluated (as rows read from a model directory are); and when a model a scanned
+    sweep trained has no curve anywhere (its directory gone, its results row older than recorded curves), an
+    existing summary is kept rather than rewritten without that model."""
     import json
 
     summary = _benchmark("recovery_scan_summary")
@@ -493,7 +494,7 @@ def test_scan_summary_lists_a_model_once_and_keeps_its_file_when_a_curve_is_miss
             "--out", str(out)]
     assert summary.main(args) == 0
     rows = json.loads((tmp_path / "scan.json").read_text())["rows"]
-    assert [r["dir"] for r in rows] == [model]
+    assert [r["dir"] for r in rows] == [f"runs/{model}"]
     # a third sweep trained another model whose curve nothing holds: the summary above stays as it is
     d = tmp_path / "results" / "c"
     d.mkdir()
